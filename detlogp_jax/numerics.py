@@ -1,0 +1,149 @@
+"""The contract's pinned f32 programs (exp, log, tree, chain, fold) in JAX.
+
+Each function takes an `ops` object that supplies the three rounded primitives
+(`mul`, `add`, `sub`); everything else is exact (compare, select, max, integer
+bit operations). `XlaOps` (default) runs on XLA and keeps every product a
+separately rounded f32 multiply: XLA lets LLVM contract `a*b + c` into an FMA,
+so each product passes an opaque integer xor with zero that no compiler can see
+through. Pallas kernels pass their own ops (inline PTX `mul.rn.ftz.f32`, ...).
+
+These functions mirror `detlogp_jax.oracle` operation by operation; the oracle
+is the spec, these are implementations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from detlogp_jax import contract as C
+
+F32 = jnp.float32
+
+
+def opaque_zero():
+    """A uint32 zero that XLA cannot constant-fold (an optimization barrier)."""
+    return lax.optimization_barrier(jnp.zeros((), jnp.uint32))
+
+
+class XlaOps:
+    """Rounded f32 primitives on XLA, each result pinned behind an opaque xor.
+
+    The pin stops LLVM from contracting a product into a following add (FMA)
+    and XLA's simplifier from re-associating constants, e.g. folding the
+    round-to-integer idiom (t + M) - M into t.
+    """
+
+    def __init__(self, zero=None):
+        self._zero = opaque_zero() if zero is None else zero
+
+    def _pin(self, v):
+        bits = lax.bitcast_convert_type(v, jnp.uint32) ^ self._zero
+        return lax.bitcast_convert_type(bits, F32)
+
+    def mul(self, a, b):
+        return self._pin(a * b)
+
+    def add(self, a, b):
+        return self._pin(a + b)
+
+    def sub(self, a, b):
+        return self._pin(a - b)
+
+
+def ftz(x):
+    """Flushes subnormals to sign-preserving zero (explicit; XLA:GPU does not)."""
+    tiny = jnp.asarray(C.F32_MIN_NORMAL, F32)
+    return jnp.where(jnp.abs(x) < tiny, jnp.copysign(jnp.zeros_like(x), x), x)
+
+
+def pexp(x, ops):
+    """Contract exp (see oracle.pexp). x is f32 of any shape."""
+    f = lambda v: jnp.asarray(v, F32)
+    xc = jnp.where(x < f(C.EXP_CLAMP_LO), f(C.EXP_CLAMP_LO), x)
+    t = ops.mul(xc, f(C.EXP_LOG2E))
+    tm = ops.add(t, f(C.EXP_ROUND_MAGIC))
+    k = ops.sub(tm, f(C.EXP_ROUND_MAGIC))
+    ki = lax.bitcast_convert_type(tm, jnp.int32) - jnp.int32(C.EXP_ROUND_MAGIC_BITS)
+    r = ops.sub(ops.sub(xc, ops.mul(k, f(C.EXP_LN2_HI))), ops.mul(k, f(C.EXP_LN2_LO)))
+    p = jnp.full_like(r, C.EXP_POLY[0])
+    for c in C.EXP_POLY[1:]:
+        p = ops.add(ops.mul(p, r), f(c))
+    isnan = x != x
+    ki_safe = jnp.where(isnan, jnp.int32(0), ki)
+    out = lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + (ki_safe << 23), F32)
+    out = jnp.where(ki < jnp.int32(C.EXP_K_MIN), f(0.0), out)
+    return jnp.where(isnan, x, out)
+
+
+def plog(s, ops):
+    """Contract log (see oracle.plog)."""
+    f = lambda v: jnp.asarray(v, F32)
+    s = ftz(s)
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    fr = lax.bitcast_convert_type((bits & 0x7FFFFF) | 0x3F800000, F32)
+    big = fr >= f(C.LOG_SQRT2)
+    fr = jnp.where(big, ops.mul(fr, f(0.5)), fr)
+    e = jnp.where(big, e + 1, e)
+    r = ops.sub(fr, f(1.0))
+    q = jnp.full_like(r, C.LOG_POLY[0])
+    for c in C.LOG_POLY[1:]:
+        q = ops.add(ops.mul(q, r), f(c))
+    ef = e.astype(F32)
+    lg = ops.add(ops.add(ops.mul(ef, f(C.LOG_LN2_LO)), ops.mul(r, q)), ops.mul(ef, f(C.LOG_LN2_HI)))
+    lg = jnp.where(s == 0, f(-jnp.inf), lg)
+    lg = jnp.where(s == jnp.inf, f(jnp.inf), lg)
+    return jnp.where((s < 0) | (s != s), f(jnp.nan), lg)
+
+
+def tree64(e, ops):
+    """Adjacent-pairwise balanced binary sum over the last axis (length 64)."""
+    assert e.shape[-1] == C.TILE_V, e.shape
+    while e.shape[-1] > 1:
+        e = e.reshape(e.shape[:-1] + (e.shape[-1] // 2, 2))
+        e = ops.add(e[..., 0], e[..., 1])
+    return e[..., 0]
+
+
+def chain_step(m, s, y, valid, ops):
+    """One tile of the ascending chain: (m, S) <- tile of scaled lanes y [..., 64].
+
+    `y` must already be -inf on padding lanes; `valid` marks real lanes.
+    """
+    m_new = jnp.maximum(m, jnp.max(y, axis=-1))
+    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), pexp(ops.sub(m, m_new), ops))
+    e = jnp.where(valid, pexp(ops.sub(y, m_new[..., None]), ops), jnp.asarray(0.0, F32))
+    return m_new, ops.add(ops.mul(s, alpha), tree64(e, ops))
+
+
+def inv_temperature(temperature, n_rows: int):
+    """inv_t = fl(1/T) per row, as f32 [n_rows]."""
+    t = jnp.broadcast_to(jnp.asarray(temperature, F32), (n_rows,))
+    return jnp.asarray(1.0, F32) / t
+
+
+def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None):
+    """Merges split partials [N, n_split] in ascending order -> (logp, lse) [N].
+
+    Global max first, then S = fl(S + fl(S_j * w_j)) over ascending j; see
+    oracle.fold for the full statement (ignore_index, bad targets, clamp).
+    """
+    ops = XlaOps() if ops is None else ops
+    big_m = jnp.max(m, axis=1)
+
+    def body(acc, cols):
+        m_j, s_j = cols
+        w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), pexp(ops.sub(m_j, big_m), ops))
+        return ops.add(acc, ops.mul(s_j, w)), None
+
+    acc, _ = lax.scan(body, jnp.zeros_like(big_m), (m.T, s.T))
+    lse = ops.add(big_m, plog(acc, ops))
+    y_t = ftz(ops.mul(ftz(z_t), inv_t))
+    d = ops.sub(y_t, lse)
+    logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
+    logp = jnp.where(targets == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
+    bad = ((targets < 0) & (targets != C.IGNORE_INDEX)) | (targets >= vocab_size)
+    logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
+    return logp, lse

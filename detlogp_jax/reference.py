@@ -1,0 +1,164 @@
+"""The reference backend: the contract in plain JAX, on any platform.
+
+Logits: every output element is an ascending sequential sum over d of
+fl(h_d * w_d) in f32 (one accumulator, separately rounded, no library GEMM or
+reduction whose order could depend on N), then fl(acc + b). Post-GEMM: the
+contract's programs from `detlogp_jax.numerics`, with contraction blocked.
+Rows never interact, and the vocabulary is streamed tile by tile across all
+splits at once, so the trainer path holds O(rows_per_block * n_split * 64)
+floats, never [N, V].
+
+Its logits need not equal a GPU kernel's (tensor cores do not accumulate as a
+sequence of IEEE adds); given its own logits, logp/lse equal the oracle's.
+On XLA:CPU (FTZ/DAZ arithmetic) the logits equal `oracle.reference_logits`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from detlogp_jax import contract as C
+from detlogp_jax import numerics
+
+BACKEND_NAME = "reference"
+ROW_BLOCK = 256  # bit-neutral: rows are independent
+
+
+def _local_plan(padded_vocab_size: int, col_offset: int, shard_cols: int):
+    """Split tile ranges inside [col_offset, col_offset + shard_cols), as tile indices."""
+    plan = C.split_bounds(padded_vocab_size)
+    lo, hi = col_offset, col_offset + shard_cols
+    if lo % C.TILE_V or (hi % C.TILE_V and hi != padded_vocab_size):
+        raise C.ContractError(f"shard columns [{lo}, {hi}) do not fall on {C.TILE_V}-column tile boundaries")
+    t_lo, t_hi = lo // C.TILE_V, C.n_tiles(hi)
+    idx = [j for j, (s, e) in enumerate(zip(plan.starts, plan.ends)) if s >= t_lo and e <= t_hi]
+    covered = sum(plan.ends[j] - plan.starts[j] for j in idx)
+    if covered != t_hi - t_lo:
+        raise C.ContractError(
+            f"shard columns [{lo}, {hi}) do not fall on split boundaries of V_pad={padded_vocab_size} "
+            f"(aligned TP degrees: {plan.aligned_tp_degrees()})"
+        )
+    starts = np.array([plan.starts[j] for j in idx], np.int64)
+    ends = np.array([plan.ends[j] for j in idx], np.int64)
+    return starts, ends
+
+
+def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, zero, return_logits):
+    """Partials for one block of rows; the chain walks `col_steps` [steps, n_loc*64]."""
+    ops = numerics.XlaOps(zero)
+    rows = h.shape[0]
+    n_loc = col_steps.shape[1] // C.TILE_V
+
+    def logits_of(g, cols):
+        # Ascending sequential K walk, one f32 accumulator, separately rounded.
+        present = cols >= 0
+
+        def kstep(d, acc):
+            w_d = lax.dynamic_index_in_dim(weight, d, axis=1, keepdims=False)[g]
+            w_d = numerics.ftz(jnp.where(present, w_d.astype(jnp.float32), 0.0))
+            return ops.add(acc, ops.mul(h[:, d][:, None], w_d[None, :]))
+
+        acc = lax.fori_loop(0, h.shape[1], kstep, jnp.zeros((rows, cols.shape[0]), jnp.float32))
+        if bias is not None:
+            acc = ops.add(acc, jnp.where(present, bias.astype(jnp.float32)[g], 0.0)[None, :])
+        return numerics.ftz(acc)
+
+    def step(carry, xs):
+        m, s, z_t, owned = carry
+        g, cols = xs
+        z = logits_of(g, cols)  # [rows, n_loc*64]
+        valid = (cols >= 0) & (cols < vocab_size)
+        y = numerics.ftz(ops.mul(z, inv_t[:, None]))
+        y = jnp.where(valid[None, :], y, -jnp.inf).reshape(rows, n_loc, C.TILE_V)
+        m, s = numerics.chain_step(m, s, y, valid.reshape(1, n_loc, C.TILE_V), ops)
+        hit = (cols[None, :] == t[:, None]) & (cols[None, :] >= 0)
+        z_sel = jnp.max(jnp.where(hit, z, -jnp.inf), axis=1)
+        found = jnp.any(hit, axis=1)
+        carry = (m, s, jnp.where(found, z_sel, z_t), owned | found)
+        return carry, (z if return_logits else None)
+
+    init = (
+        jnp.full((rows, n_loc), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, n_loc), jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows,), bool),
+    )
+    (m, s, z_t, owned), zs = lax.scan(step, init, (gather, col_steps))
+    return m, s, z_t, owned, zs
+
+
+def partials(
+    hidden,
+    weight,
+    bias,
+    targets,
+    inv_t,
+    *,
+    vocab_size: int,
+    padded_vocab_size: int,
+    col_offset: int = 0,
+    shard_cols: int | None = None,
+    return_logits: bool = False,
+):
+    """Split partials of the contract for rows of `hidden` against `weight`.
+
+    weight [Vl, D] holds the rows of global columns [col_offset, col_offset+Vl);
+    columns of the shard beyond Vl (an unpadded weight) and columns >= vocab_size
+    are padding. Returns (m, s) [N, n_local], the owner's raw z_t [N] (valid
+    where `owned`), and, with `return_logits`, logits [N, Vl] f32.
+    """
+    shard_cols = padded_vocab_size - col_offset if shard_cols is None else shard_cols
+    starts, ends = _local_plan(padded_vocab_size, col_offset, shard_cols)
+    n_loc, steps = len(starts), int((ends - starts).max())
+    n_rows, d = hidden.shape
+    v_local = weight.shape[0]
+
+    # Static column map: step i of split j reads tile starts[j] + i (or nothing).
+    lane = np.arange(C.TILE_V)
+    tile = starts[None, :] + np.arange(steps)[:, None]  # [steps, n_loc]
+    in_split = tile < ends[None, :]
+    cols = tile[..., None] * C.TILE_V + lane  # global columns [steps, n_loc, 64]
+    local = cols - col_offset
+    present = in_split[..., None] & (local < v_local)
+    cols = np.where(present, cols, -1).reshape(steps, n_loc * C.TILE_V)
+    gather = np.where(present, local, 0).reshape(steps, n_loc * C.TILE_V)
+
+    col_steps = jnp.asarray(cols, jnp.int32)
+    gather = jnp.asarray(gather, jnp.int32)
+    h32 = numerics.ftz(hidden.astype(jnp.float32))
+    zero = numerics.opaque_zero()
+
+    n_blocks = max(1, -(-n_rows // ROW_BLOCK))
+    rb = max(1, -(-n_rows // n_blocks))
+    pad = n_blocks * rb - n_rows
+    hp = jnp.pad(h32, ((0, pad), (0, 0)))
+    tp = jnp.pad(targets.astype(jnp.int32), (0, pad), constant_values=-1)
+    ip = jnp.pad(inv_t.astype(jnp.float32), (0, pad), constant_values=1.0)
+
+    def run_block(args):
+        h, t, it = args
+        return _block_partials(h, weight, bias, gather, col_steps, t, it, vocab_size, zero, return_logits)
+
+    m, s, z_t, owned, zs = lax.map(
+        run_block, (hp.reshape(n_blocks, rb, d), tp.reshape(n_blocks, rb), ip.reshape(n_blocks, rb))
+    )
+    unblock = lambda a: a.reshape((n_blocks * rb,) + a.shape[2:])[:n_rows]
+    logits = None
+    if return_logits:
+        # zs [n_blocks, steps, rb, n_loc*64] -> [N, Vl] in column order.
+        zs = jnp.transpose(zs, (0, 2, 1, 3)).reshape(n_blocks * rb, steps * n_loc * C.TILE_V)[:n_rows]
+        order = np.full(v_local, 0, np.int64)
+        flat_cols = np.asarray(cols).reshape(-1)
+        pos = np.nonzero(flat_cols >= 0)[0]
+        order[flat_cols[pos] - col_offset] = pos
+        logits = zs[:, order]
+    return unblock(m), unblock(s), unblock(z_t), unblock(owned), logits
+
+
+def fold(m, s, z_t, targets, inv_t, vocab_size: int):
+    """The contract's fold of split partials (see `numerics.fold`)."""
+    return numerics.fold(m, s, z_t, targets, inv_t, vocab_size)
