@@ -1,0 +1,293 @@
+"""Public entry point: `linear_logp`.
+
+Contract kept (for contract-bearing backends): for every row, logp and lse are
+the oracle's function of that row's FP32 logits, the row's target and
+temperature, `vocab_size` and `padded_vocab_size` only. So the bytes of a row
+do not depend on the batch size, the row's position, its neighbours, whether
+logits are returned, or whether the weight is padded to `padded_vocab_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from detlogp_jax import backends
+from detlogp_jax import contract as C
+from detlogp_jax import grad as grad_lib
+from detlogp_jax import numerics
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class LogpOutput(NamedTuple):
+    """logp [...] f32, lse [...] f32 (of logits / T), logits [..., vocab_size] f32 or None."""
+
+    logp: jax.Array
+    lse: jax.Array
+    logits: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    backend: str
+    vocab_size: int
+    padded_vocab_size: int
+    return_logits: bool
+    tuning: tuple = ()
+
+
+_LAST_PROVENANCE: list[C.Provenance] = []
+
+
+def last_provenance() -> C.Provenance | None:
+    """Provenance of the most recent `linear_logp` call (recorded at trace time)."""
+    return _LAST_PROVENANCE[-1] if _LAST_PROVENANCE else None
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size):
+    if not hasattr(hidden, "shape") or not hasattr(weight, "shape") or not hasattr(targets, "shape"):
+        raise TypeError("hidden, weight and targets must be arrays")
+    if hidden.ndim < 1:
+        raise ValueError(f"hidden must have shape [..., D], got {hidden.shape}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape [V, D] (lm_head layout), got {weight.shape}")
+    d = hidden.shape[-1]
+    if d < 1:
+        raise ValueError("hidden size D must be >= 1")
+    if weight.shape[1] != d:
+        raise ValueError(f"D mismatch: hidden [..., {d}] vs weight [V, {weight.shape[1]}] (expected lm_head [V, D])")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one row")
+    if jnp.dtype(hidden.dtype) not in _FLOAT_DTYPES or jnp.dtype(weight.dtype) not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden/weight must be bfloat16, float16 or float32, got {hidden.dtype}/{weight.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {hidden.shape[:-1]}")
+    v_rows = weight.shape[0]
+    vocab = v_rows if vocab_size is None else vocab_size
+    if not isinstance(vocab, numbers.Integral) or isinstance(vocab, bool):
+        raise TypeError(f"vocab_size must be a static int, got {type(vocab).__name__}")
+    vocab = int(vocab)
+    if not 1 <= vocab <= v_rows:
+        raise ValueError(f"vocab_size must be in [1, weight rows = {v_rows}], got {vocab}")
+    padded = max(v_rows, vocab) if padded_vocab_size is None else padded_vocab_size
+    if not isinstance(padded, numbers.Integral) or isinstance(padded, bool):
+        raise TypeError(f"padded_vocab_size must be a static int, got {type(padded).__name__}")
+    padded = int(padded)
+    if padded < v_rows:
+        raise ValueError(f"padded_vocab_size {padded} is smaller than the weight's {v_rows} rows")
+    if bias is not None:
+        if not hasattr(bias, "shape") or tuple(bias.shape) != (v_rows,):
+            raise ValueError(f"bias must have shape ({v_rows},) like the weight's rows, got {getattr(bias, 'shape', bias)}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point, got {bias.dtype}")
+    _validate_temperature(temperature, targets.shape)
+    return vocab, padded
+
+
+def _validate_temperature(temperature, row_shape):
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        if not math.isfinite(temperature) or temperature <= 0:
+            raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+        return
+    if not hasattr(temperature, "shape"):
+        raise TypeError(f"temperature must be a positive scalar or an array of one value per row, got {temperature!r}")
+    if tuple(temperature.shape) not in ((), tuple(row_shape)):
+        raise ValueError(f"temperature must be a scalar or have the targets' shape {tuple(row_shape)}, got {temperature.shape}")
+    if not jnp.issubdtype(temperature.dtype, jnp.floating):
+        raise TypeError(f"temperature must be floating point, got {temperature.dtype}")
+    if _is_concrete(temperature):
+        t = np.asarray(temperature, np.float64)
+        if not np.all(np.isfinite(t) & (t > 0)):
+            raise ValueError("temperature must be finite and > 0 in every row")
+
+
+def _check_targets(targets, vocab_size: int) -> None:
+    """Checked mode: raise on out-of-range targets (eagerly, or at run time under jit)."""
+
+    def check(t):
+        t = np.asarray(t)
+        bad = ((t < 0) & (t != C.IGNORE_INDEX)) | (t >= vocab_size)
+        if bad.any():
+            idx = np.argwhere(bad)[0].tolist()
+            raise ValueError(f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}")
+
+    if _is_concrete(targets):
+        check(targets)
+    else:
+        jax.debug.callback(check, targets)
+
+
+def _inv_t(temperature, n_rows):
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1) if jnp.ndim(temperature) else jnp.asarray(temperature, jnp.float32), (n_rows,))
+    inv = numerics.inv_temperature(t, n_rows)
+    # A traced non-positive temperature makes only its own row NaN.
+    return jnp.where((t > 0) & jnp.isfinite(t), inv, jnp.nan)
+
+
+def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
+    be = backends.get(cfg.backend)
+    kw = dict(cfg.tuning)
+    if be.contract_bearing:
+        m, s, z_t, owned, logits = be.partials(
+            hidden, weight, bias, targets, inv_t,
+            vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
+            return_logits=cfg.return_logits, **kw,
+        )
+        logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
+    else:
+        logp, lse, logits = be.forward(hidden, weight, bias, targets, inv_t, vocab_size=cfg.vocab_size, return_logits=cfg.return_logits)
+    if logits is not None:
+        logits = logits[:, : cfg.vocab_size]
+    return logp, lse, logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _core(hidden, weight, bias, targets, inv_t, cfg):
+    return _serve(hidden, weight, bias, targets, inv_t, cfg)
+
+
+def _core_fwd(hidden, weight, bias, targets, inv_t, cfg):
+    out = _serve(hidden, weight, bias, targets, inv_t, cfg)
+    return out, (hidden, weight, bias, targets, inv_t, out[1])
+
+
+def _core_bwd(cfg, res, cts):
+    hidden, weight, bias, targets, inv_t, lse = res
+    g_logp, g_lse, g_logits = cts
+    dh, dw, db = grad_lib.backward(
+        hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, vocab_size=cfg.vocab_size
+    )
+    return dh, dw, db, None, jnp.zeros_like(inv_t)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _impl(hidden, weight, bias, targets, inv_t, cfg):
+    return _core(hidden, weight, bias, targets, inv_t, cfg)
+
+
+def _row_bucket(n: int) -> int:
+    """Compile-size bucket for eager reference calls (bit-neutral: rows are independent)."""
+    if n <= 8:
+        return 8
+    if n <= 1024:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 1024) * 1024
+
+
+def linear_logp(
+    hidden,
+    weight,
+    targets,
+    *,
+    bias=None,
+    temperature=1.0,
+    vocab_size: int | None = None,
+    padded_vocab_size: int | None = None,
+    return_logits: bool = False,
+    backend: str = "auto",
+    checked: bool | None = None,
+    tuning: dict | None = None,
+) -> LogpOutput:
+    """Log-probability of `targets` under logits = hidden @ weight.T (+ bias), / temperature.
+
+    hidden [..., D] and weight [V, D] (lm_head layout) share a float dtype;
+    targets [...] int (global vocab ids; -100 = ignore: logp +0.0, no gradient;
+    any other id outside [0, vocab_size) -> NaN logp in that row only, or an
+    error with `checked=True` / DETLOGP_CHECKED=1). bias [V] is added in FP32.
+    temperature: positive scalar or one value per row. vocab_size: the real
+    vocabulary (weight rows at or beyond it are padding). padded_vocab_size:
+    the canonical padded vocab that fixes the split structure (default: the
+    weight's row count); an unpadded weight declared with the padded size gives
+    the padded weight's bytes without copying it. return_logits: also return
+    FP32 unscaled logits [..., vocab_size], never changing logp/lse bits.
+    backend: "auto" | "reference" | "pallas_sm90" | "xla". `tuning`: bit-neutral
+    knobs only (block sizes along M, ...); contract constants raise ContractError.
+    Differentiable w.r.t. hidden, weight and bias (chunked custom_vjp).
+    """
+    C.check_no_overrides(tuning)
+    hidden = jnp.asarray(hidden) if isinstance(hidden, np.ndarray) else hidden
+    weight = jnp.asarray(weight) if isinstance(weight, np.ndarray) else weight
+    targets = jnp.asarray(targets) if isinstance(targets, (np.ndarray, list)) else targets
+    vocab, padded = _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
+    lead = hidden.shape[:-1]
+    n = math.prod(lead)
+    if checked is None:
+        checked = os.environ.get("DETLOGP_CHECKED", "0") in ("1", "true", "yes")
+    if checked:
+        _check_targets(targets, vocab)
+
+    h2 = hidden.reshape(n, hidden.shape[-1])
+    t2 = targets.reshape(n).astype(jnp.int32)
+    be, fallback = backends.resolve(backend, h2, weight)
+    _LAST_PROVENANCE[:] = [_provenance(be, fallback, vocab, padded, backend)]
+    cfg = _Config(be.name, vocab, padded, bool(return_logits), tuple(sorted((tuning or {}).items())))
+    if n == 0:
+        empty = jnp.zeros(lead, jnp.float32)
+        return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)
+    inv_t = _inv_t(temperature, n)
+
+    pad = 0
+    if be.name == "reference" and _is_concrete(h2):
+        pad = _row_bucket(n) - n
+    if pad:
+        h2 = jnp.pad(h2, ((0, pad), (0, 0)))
+        t2 = jnp.pad(t2, (0, pad), constant_values=C.IGNORE_INDEX)
+        inv_t = jnp.pad(inv_t, (0, pad), constant_values=1.0)
+    logp, lse, logits = _impl(h2, weight, bias, t2, inv_t, cfg)
+    if pad:
+        logp, lse = logp[:n], lse[:n]
+        logits = None if logits is None else logits[:n]
+    return LogpOutput(
+        logp.reshape(lead),
+        lse.reshape(lead),
+        None if logits is None else logits.reshape(lead + (vocab,)),
+    )
+
+
+def _provenance(be, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
+    info = backends.platform_info()
+    return C.Provenance(
+        contract_id=C.CONTRACT_ID if be.contract_bearing else "none (non-contract lane)",
+        backend=be.name,
+        contract_bearing=be.contract_bearing,
+        platform=info["platform"],
+        device_kind=info["device_kind"],
+        compute_capability=info["compute_capability"],
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        vocab_size=vocab,
+        padded_vocab_size=padded,
+        n_split=C.n_split(padded),
+        requested_backend=requested,
+        fallback=fallback,
+    )
+
+
+def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto") -> C.Provenance:
+    """The provenance record a call with these arguments would get (no compute)."""
+    be, fallback = backends.resolve(backend, hidden.reshape(-1, hidden.shape[-1]), weight)
+    vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
+    padded = max(weight.shape[0], vocab) if padded_vocab_size is None else int(padded_vocab_size)
+    return _provenance(be, fallback, vocab, padded, backend)

@@ -1,0 +1,39 @@
+"""The non-contract baseline: materialized XLA logits + log_softmax.
+
+This is what JAX users run today: z = hidden @ W.T (+ b) as one XLA dot,
+then logsumexp over the vocabulary and a gather. Its reduction trees and GEMM
+tiling are XLA's, so its bytes can change with the batch size; it is kept as
+the lane we measure drift and speed against, and it is refused in strict mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from detlogp_jax import contract as C
+
+
+def logits(hidden, weight, bias=None):
+    """FP32 logits [N, V] = hidden @ weight.T (+ bias) through one XLA dot."""
+    prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
+    z = jnp.einsum("nd,vd->nv", hidden, weight, preferred_element_type=jnp.float32, precision=prec)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)[None, : z.shape[1]]
+    return z
+
+
+def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_logits: bool = False):
+    """(logp, lse, logits|None) with XLA's own logsumexp; same semantics for
+    ignore_index (+0) and bad targets (NaN) as the contract, other bits free."""
+    z = logits(hidden, weight, bias)[:, :vocab_size]
+    y = z * inv_t[:, None]
+    lse = jax.nn.logsumexp(y, axis=1)
+    safe = jnp.clip(targets, 0, vocab_size - 1)
+    y_t = jnp.take_along_axis(y, safe[:, None], axis=1)[:, 0]
+    logp = jnp.minimum(y_t - lse, 0.0)
+    logp = jnp.where(targets == C.IGNORE_INDEX, 0.0, logp)
+    bad = ((targets < 0) & (targets != C.IGNORE_INDEX)) | (targets >= vocab_size)
+    logp = jnp.where(bad, jnp.nan, logp)
+    return logp, lse, (z if return_logits else None)
