@@ -1,0 +1,57 @@
+"""pallas_sm90: the contract-bearing Pallas Mosaic GPU backend for Hopper (sm90).
+
+Interface (mirrors `detlogp_jax.reference`):
+  partials(hidden, weight, bias, targets, inv_t, *, vocab_size, padded_vocab_size,
+           col_offset=0, shard_cols=None, return_logits=False)
+      -> (m [N, n_local], s [N, n_local], z_t [N], owned [N], logits [N, Vl] | None)
+  fold(m, s, z_t, targets, inv_t, vocab_size) -> (logp [N], lse [N])
+plus `is_available()`, `supports(hidden, weight)`, and the bit-neutral
+launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
+
+Supported: bf16 hidden and weight, D a positive multiple of 64, a CUDA GPU of
+compute capability 9.x (or interpret mode on any host).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.sm90_fold import fold
+from pallas_kernels.sm90_forward import partials, shard_geometry
+from pallas_kernels.tuning import BUCKETS, select_bucket
+
+BACKEND_NAME = "pallas_sm90"
+
+
+def is_available() -> bool:
+  """True if the default JAX backend has a CUDA GPU of compute capability 9.x."""
+  try:
+    import jax
+
+    devs = jax.devices()
+  except Exception:
+    return False
+  if not devs or devs[0].platform != "gpu":
+    return False
+  cc = getattr(devs[0], "compute_capability", None)
+  try:
+    return cc is not None and str(cc).split(".")[0] == "9"
+  except Exception:
+    return False
+
+
+def supports(hidden, weight) -> tuple[bool, str]:
+  """(ok, reason): whether this backend accepts these operands (shapes/dtypes only)."""
+  if getattr(hidden, "ndim", None) != 2 or getattr(weight, "ndim", None) != 2:
+    return False, "hidden must be [N, D] and weight [V, D]"
+  if hidden.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
+    return False, f"pallas_sm90 supports bf16 hidden/weight only (got {hidden.dtype}/{weight.dtype})"
+  d = hidden.shape[1]
+  if weight.shape[1] != d:
+    return False, f"hidden size mismatch {hidden.shape} vs {weight.shape}"
+  if d <= 0 or d % 64:
+    return False, f"hidden size D={d} is not a positive multiple of 64"
+  return True, "ok"
+
+
+__all__ = ["BACKEND_NAME", "partials", "fold", "is_available", "supports", "shard_geometry", "BUCKETS", "select_bucket"]

@@ -1,0 +1,159 @@
+"""Rounded f32 primitives for the Pallas Mosaic GPU kernels.
+
+The contract (`detlogp_jax.oracle`) states every post-GEMM f32 operation as
+ONE separately rounded IEEE binary32 op, round-to-nearest-even, with FTZ and
+no FMA anywhere. `detlogp_jax.numerics` implements the programs (pexp, plog,
+fold) against an `ops` object with `mul`, `add`, `sub`; this module supplies
+two such objects:
+
+* `PtxOps` (real GPU): each primitive is one inline PTX instruction
+  `mul.rn.ftz.f32` / `add.rn.ftz.f32` / `sub.rn.ftz.f32`, emitted per register
+  through `plgpu.inline_mgpu`. Explicit-rounding PTX is never contracted into
+  an FMA by LLVM or ptxas, and `.ftz` gives the contract's flush-to-zero of
+  subnormal inputs and results. (Register-array `+ - *` in Mosaic GPU carry
+  `fastmath<contract>` and may be fused; they are never used for pinned math.)
+* `InterpretOps` (interpret mode on CPU, where `inline_mgpu` is unsupported):
+  `numerics.XlaOps`-style pinning: every result passes an xor with an opaque
+  zero so XLA:CPU cannot contract or re-associate; XLA:CPU arithmetic is
+  FTZ/DAZ, so the results equal the oracle's.
+
+Exact operations (compare, select, max, integer shifts/adds, bitcasts) are
+used directly on register arrays; they need no pinning.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+
+_PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32", "div": "div.rn.ftz.f32"}
+
+
+def _lift_ptx(instr: str):
+  """A per-register lowering of a binary f32 PTX instruction on FragmentedArrays."""
+  from jax.experimental.mosaic import gpu as mgpu  # Lazy: only needed at lowering time.
+
+  return mgpu.FragmentedArray._lift_fast_instr(instr)
+
+
+def _is_python_scalar(x) -> bool:
+  return isinstance(x, (float, int))
+
+
+def _const_value(x):
+  """Returns a Python float if `x` is a concrete scalar constant, else None."""
+  if _is_python_scalar(x):
+    return float(x)
+  try:
+    if getattr(x, "shape", None) == () and not isinstance(x, jax.core.Tracer):
+      return float(x)
+  except Exception:  # pragma: no cover - defensive
+    return None
+  return None
+
+
+class PtxOps:
+  """mul/add/sub as inline PTX with explicit rounding and FTZ (GPU only).
+
+  `layout_of(shape)` returns the `plgpu.Layout` of register arrays of that
+  shape in the calling kernel (e.g. WGMMA for [BM, 64] tiles, WGMMA row
+  vectors for [BM]). Array operands are layout-cast to it (splat arrays such
+  as `jnp.full_like` become register arrays of that layout); concrete scalar
+  constants are folded into the instruction as immediates-in-registers.
+  """
+
+  def __init__(self, layout_of: Callable[[tuple[int, ...]], object]):
+    self._layout_of = layout_of
+
+  def _binary(self, name: str, a, b):
+    instr = _PTX[name]
+    ca, cb = _const_value(a), _const_value(b)
+    if ca is not None and cb is not None:
+      raise ValueError("PtxOps needs at least one array operand")
+    shape = tuple(jnp.shape(b) if ca is not None else jnp.shape(a))
+    if ca is None and cb is None:
+      shape = tuple(jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
+    layout = self._layout_of(shape)
+    ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
+
+    def as_arr(x):
+      x = jnp.asarray(x, F32)
+      if x.shape != shape:
+        x = jnp.broadcast_to(x, shape)
+      return plgpu.layout_cast(x, layout)
+
+    if ca is None and cb is None:
+      @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=ret)
+      def op2(ctx, x, y):
+        del ctx
+        return x._pointwise(_lift_ptx(instr), y)
+
+      return op2(as_arr(a), as_arr(b))
+    if cb is not None:
+      @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
+      def op_rc(ctx, x):
+        del ctx
+        return x._pointwise(_lift_ptx(instr), cb)
+
+      return op_rc(as_arr(a))
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
+    def op_cr(ctx, y):
+      del ctx
+      return y._pointwise(lambda v, c: _lift_ptx(instr)(c, v), ca)
+
+    return op_cr(as_arr(b))
+
+  def mul(self, a, b):
+    return self._binary("mul", a, b)
+
+  def add(self, a, b):
+    return self._binary("add", a, b)
+
+  def sub(self, a, b):
+    return self._binary("sub", a, b)
+
+  def div(self, a, b):
+    return self._binary("div", a, b)
+
+
+class InterpretOps:
+  """mul/add/sub for interpret mode: each result pinned behind an opaque xor.
+
+  Mirrors `numerics.XlaOps`; the opaque zero must be created inside the kernel
+  body (an `optimization_barrier` of a zero) so that XLA cannot fold it.
+  """
+
+  def __init__(self, zero=None):
+    self._zero = lax.optimization_barrier(jnp.zeros((), jnp.uint32)) if zero is None else zero
+
+  def _pin(self, v):
+    bits = lax.bitcast_convert_type(v, jnp.uint32) ^ self._zero
+    return lax.bitcast_convert_type(bits, F32)
+
+  @staticmethod
+  def _f(x):
+    return jnp.asarray(x, F32)
+
+  def mul(self, a, b):
+    return self._pin(self._f(a) * self._f(b))
+
+  def add(self, a, b):
+    return self._pin(self._f(a) + self._f(b))
+
+  def sub(self, a, b):
+    return self._pin(self._f(a) - self._f(b))
+
+  def div(self, a, b):
+    return self._pin(self._f(a) / self._f(b))
+
+
+def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object]):
+  """The ops object for a kernel body: InterpretOps on CPU, PtxOps on GPU."""
+  return InterpretOps() if interpret else PtxOps(layout_of)

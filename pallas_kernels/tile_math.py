@@ -1,0 +1,74 @@
+"""The contract's per-tile arithmetic on register arrays inside the kernels.
+
+Everything here is shared by the GPU path (ops = `PtxOps`, reductions by
+Mosaic GPU's warp shuffles) and the interpret path (ops = `InterpretOps`,
+XLA:CPU). Each function states which contract step it implements; the
+oracle (`detlogp_jax.oracle`) is the specification.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from detlogp_jax import contract as C
+from detlogp_jax import numerics
+
+F32 = jnp.float32
+NEG_INF = float("-inf")
+
+
+def tree64(e, ops, *, interpret: bool):
+  """oracle.tree64 over the 64 lanes of each row of e [BM, 64]: returns [BM].
+
+  The adjacent-pairwise balanced tree. On the GPU the three lowest levels come
+  from `jnp.sum` over static 8-column slices of the WGMMA-layout tile: a
+  thread holds columns (8j + 2q, 8j + 2q + 1), so Mosaic GPU reduces
+  in-thread first and then with butterfly shuffles xor 1, xor 2, which is
+  exactly ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)) (verified in IR and on H200; the
+  e lanes are normal or +0, so the non-FTZ shuffle adds round identically).
+  The last three levels add the eight partials pairwise with pinned ops. In
+  interpret mode XLA's reduce order is unspecified, so all six levels are
+  explicit pairwise adds.
+  """
+  assert e.shape[-1] == C.TILE_V, e.shape
+  if interpret:
+    cols = [e[:, i] for i in range(C.TILE_V)]
+  else:
+    cols = [jnp.sum(e[:, 8 * j : 8 * j + 8], axis=1) for j in range(8)]
+  while len(cols) > 1:
+    cols = [ops.add(cols[2 * i], cols[2 * i + 1]) for i in range(len(cols) // 2)]
+  return cols[0]
+
+
+def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool):
+  """One step of the ascending split chain for a 64-column tile.
+
+  m, s, tgt: [BM] row vectors (running max, running sum, target column id). z: [BM, 64] FP32 logits of the tile
+  (post-bias, unscaled). col: [BM, 64] int32 global column of each lane.
+  inv_t_b: [BM, 64] broadcast inverse temperature. m_limit: the first global
+  column NOT owned by this chain (min(vocab_size, split end)); lanes at
+  col >= m_limit are padding: y = -inf, e = +0 (a tile entirely beyond the
+  split end is therefore exactly neutral).
+
+  Contract: y = fl(z * inv_t) on valid lanes; tm = max(y); m' = max(m, tm);
+  alpha = 1 if m == m' else pexp(m - m'); e = pexp(y - m') on valid lanes;
+  S = fl(fl(S * alpha) + tree64(e)). Returns (m', S', z_hit) where z_hit is
+  z at the lane with col == tgt (-inf if no lane of the row holds it; the
+  caller selects it only for rows whose target lies in this tile).
+  """
+  bm = z.shape[0]
+  valid = col < m_limit
+  y = jnp.where(valid, ops.mul(z, inv_t_b), jnp.asarray(NEG_INF, F32))
+  tm = jnp.max(y, axis=1)
+  m_new = jnp.maximum(m, tm)
+  alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), numerics.pexp(ops.sub(m, m_new), ops))
+  m_b = jnp.broadcast_to(m_new[:, None], (bm, C.TILE_V))
+  e = jnp.where(valid, numerics.pexp(ops.sub(y, m_b), ops), jnp.asarray(0.0, F32))
+  s_new = ops.add(ops.mul(s, alpha), tree64(e, ops, interpret=interpret))
+  # Target capture: the lane with col == tgt (at most one lane per row, and
+  # only inside [split start, m_limit)). max over -inf and the one hit lane is
+  # the hit lane's value exactly (NaN propagates, -0 stays -0).
+  tgt_b = jnp.broadcast_to(tgt[:, None], (bm, C.TILE_V))
+  hit = valid & (col == tgt_b)
+  z_hit = jnp.max(jnp.where(hit, z, jnp.asarray(NEG_INF, F32)), axis=1)
+  return m_new, s_new, z_hit
