@@ -1,0 +1,147 @@
+"""LogpHead (Flax NNX): op parity, nnx.jit/nnx.grad/nnx.Optimizer training, determinism."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from detlogp_jax import linear_logp
+from detlogp_jax.flax import LogpHead, tp_entry
+from detlogp_jax.toy_lm import ToyLM, ToyLMConfig, shifted_targets
+
+V, D = 300, 32
+
+
+def assert_bitwise_equal(a, b, what=""):
+    a = np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
+    b = np.ascontiguousarray(np.asarray(b, np.float32)).view(np.uint32)
+    assert a.shape == b.shape and (a == b).all(), f"{what}: {int((a != b).sum())} entries differ in bytes"
+
+
+def _data(n=12, seed=0):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    h = jax.random.normal(k1, (n, D), jnp.float32)
+    t = jax.random.randint(k2, (n,), 0, V).at[3].set(-100)
+    return h, t
+
+
+def test_head_routes_to_linear_logp_bitwise():
+    head = LogpHead(D, V, use_bias=True, backend="reference", rngs=nnx.Rngs(0))
+    head.bias[...] = jax.random.normal(jax.random.PRNGKey(5), (V,)) * 0.1
+    assert head.kernel.shape == (V, D) and head.padded_vocab_size == 512
+    h, t = _data()
+    out = head(h, t, temperature=0.7, return_logits=True)
+    ref = linear_logp(h, head.kernel[...], t, bias=head.bias[...], temperature=0.7, vocab_size=V,
+                      padded_vocab_size=512, return_logits=True, backend="reference")
+    assert_bitwise_equal(out.logp, ref.logp, "logp")
+    assert_bitwise_equal(out.lse, ref.lse, "lse")
+    assert_bitwise_equal(out.logits, ref.logits, "logits")
+    assert float(out.logp[3]) == 0.0  # ignore_index
+    # Under nnx.jit, same bytes.
+    jitted = nnx.jit(lambda m, h, t: m(h, t, temperature=0.7).logp)(head, h, t)
+    assert_bitwise_equal(jitted, ref.logp, "jit logp")
+
+
+def test_padded_weight_same_bytes():
+    a = LogpHead(D, V, backend="reference", rngs=nnx.Rngs(0))
+    b = LogpHead(D, V, pad_weight=True, backend="reference", rngs=nnx.Rngs(0))
+    assert b.kernel.shape == (512, D)
+    b.kernel[...] = jnp.pad(a.kernel[...], ((0, 512 - V), (0, 0)))
+    h, t = _data()
+    assert_bitwise_equal(a(h, t).logp, b(h, t).logp, "padded weight")
+
+
+def test_tied_embedding_shares_param():
+    emb = nnx.Embed(V, D, rngs=nnx.Rngs(1))
+    head = LogpHead(tied_embedding=emb, backend="reference")
+    assert head.kernel is emb.embedding and head.vocab_size == V and head.in_features == D
+    h, t = _data()
+    ref = linear_logp(h, emb.embedding[...], t, vocab_size=V, padded_vocab_size=512, backend="reference")
+    assert_bitwise_equal(head(h, t).logp, ref.logp, "tied")
+
+
+def test_dtype_cast_and_errors():
+    head = LogpHead(D, V, param_dtype=jnp.bfloat16, backend="xla", rngs=nnx.Rngs(0))
+    h, t = _data()
+    assert head(h, t).logp.dtype == jnp.float32  # f32 hidden cast to the bf16 weight
+    with pytest.raises(ValueError):
+        LogpHead(D, V)  # no rngs
+    with pytest.raises(ValueError):
+        LogpHead(D, V, mesh=jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",)), rngs=nnx.Rngs(0))  # no tp_axis
+
+
+@pytest.mark.skipif(tp_entry() is not None, reason="sharding.linear_logp_tp exists")
+def test_mesh_without_tp_entry_is_clear():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    head = LogpHead(D, V, mesh=mesh, tp_axis="tp", backend="reference", rngs=nnx.Rngs(0))
+    h, t = _data()
+    with pytest.raises(NotImplementedError, match="linear_logp_tp"):
+        head(h, t)
+
+
+# ---- training a tiny decoder LM -------------------------------------------------------
+
+CFG = dict(vocab_size=V, d_model=D, n_layers=1, n_heads=2, d_ff=64, max_len=16, head_bias=True)
+
+
+def _train(backend, steps=4, seed=0, tie=False):
+    cfg = ToyLMConfig(backend=backend, tie_embeddings=tie, **CFG)
+    model = ToyLM(cfg, rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (4, 16), 0, V)
+    targets = shifted_targets(tokens, prompt_len=3)  # prompt and last position ignored
+
+    @nnx.jit
+    def step(model, opt, tokens, targets):
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
+        opt.update(model, grads)
+        return loss, grads
+
+    losses, g0 = [], None
+    for i in range(steps):
+        loss, grads = step(model, opt, tokens, targets)
+        losses.append(float(loss))
+        if i == 0:
+            g0 = nnx.state(grads)
+    return np.asarray(losses), g0, model
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {"reference": _train("reference"), "xla": _train("xla")}
+
+
+def test_loss_decreases_and_matches_xla_head(runs):
+    ref_losses, ref_g, _ = runs["reference"]
+    xla_losses, xla_g, _ = runs["xla"]
+    assert ref_losses[-1] < ref_losses[0] - 0.5, ref_losses
+    np.testing.assert_allclose(ref_losses, xla_losses, rtol=1e-4)
+    flat_r = jax.tree_util.tree_leaves_with_path(ref_g)
+    flat_x = dict(jax.tree_util.tree_leaves_with_path(xla_g))
+    assert len(flat_r) == len(flat_x) > 10
+    for path, g in flat_r:
+        gx = flat_x[path]
+        scale = float(jnp.max(jnp.abs(gx))) + 1e-12
+        np.testing.assert_allclose(np.asarray(g), np.asarray(gx), rtol=1e-3, atol=1e-3 * scale, err_msg=str(path))
+    # The head's weight and bias got gradients.
+    paths = {jax.tree_util.keystr(p) for p, _ in flat_r}
+    assert any("head" in p and "weight" in p for p in paths) and any("head" in p and "bias" in p for p in paths)
+
+
+def test_training_is_deterministic(runs):
+    _, _, m1 = runs["reference"]
+    _, _, m2 = _train("reference")
+    s1 = jax.tree_util.tree_leaves_with_path(nnx.state(m1, nnx.Param))
+    s2 = dict(jax.tree_util.tree_leaves_with_path(nnx.state(m2, nnx.Param)))
+    for path, a in s1:
+        b = s2[path]
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), path
+
+
+def test_tied_model_trains():
+    losses, g0, model = _train("reference", steps=3, tie=True)
+    assert losses[-1] < losses[0]
+    assert model.head.kernel is model.embed.embedding
