@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from detlogp_jax import numerics
+
 F32 = jnp.float32
 
 _PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32", "div": "div.rn.ftz.f32"}
@@ -40,6 +42,33 @@ def _lift_ptx(instr: str):
   from jax.experimental.mosaic import gpu as mgpu  # Lazy: only needed at lowering time.
 
   return mgpu.FragmentedArray._lift_fast_instr(instr)
+
+
+def _lift_program(prog):
+  """Per-register application of a `ptx_programs.Program` (one asm per element)."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # Lazy: lowering time only.
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm, vector
+
+  text, cons = prog.ptx(), prog.constraints()
+
+  def per_reg(*regs):
+    f32 = ir.F32Type.get()
+    ty = regs[0].type
+    if ty == f32:
+      return llvm.inline_asm(f32, list(regs), text, cons)
+    assert isinstance(ty, ir.VectorType), ty
+    [n] = ir.VectorType(ty).shape
+    out = llvm.mlir_undef(ty)
+    for i in range(n):
+      pos = ir.DenseI64ArrayAttr.get([i])
+      elems = [vector.extract(r, dynamic_position=[], static_position=pos) for r in regs]
+      v = llvm.inline_asm(f32, elems, text, cons)
+      out = vector.insert(v, out, dynamic_position=[], static_position=pos)
+    return out
+
+  del mgpu_utils
+  return per_reg
 
 
 def _is_python_scalar(x) -> bool:
@@ -68,8 +97,12 @@ class PtxOps:
   constants are folded into the instruction as immediates-in-registers.
   """
 
-  def __init__(self, layout_of: Callable[[tuple[int, ...]], object]):
+  def __init__(self, layout_of: Callable[[tuple[int, ...]], object], fused: bool = True):
     self._layout_of = layout_of
+    # fused=True: exp_diff is one straight-line PTX block per lane
+    # (ptx_programs.PEXP_DIFF); False: numerics.pexp op by op (same bits, far
+    # more IR, kept for cross-checking).
+    self.fused = fused
 
   def _binary(self, name: str, a, b):
     instr = _PTX[name]
@@ -122,6 +155,42 @@ class PtxOps:
   def div(self, a, b):
     return self._binary("div", a, b)
 
+  def program(self, prog, *arrays):
+    """Applies a straight-line `ptx_programs.Program` elementwise to same-shape f32 arrays."""
+    shape = tuple(jnp.shape(arrays[0]))
+    layout = self._layout_of(shape)
+    ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
+    fn = _lift_program(prog)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=ret)
+    def run(ctx, first, *rest):
+      del ctx
+      return first._pointwise(fn, *rest)
+
+    return run(*(plgpu.layout_cast(jnp.broadcast_to(jnp.asarray(a, F32), shape), layout) for a in arrays))
+
+  def exp_diff(self, a, b):
+    """pexp(fl(a - b)) (contract exp of a rounded difference), one PTX block per lane."""
+    if not self.fused:
+      return numerics.pexp(self.sub(a, b), self)
+    from pallas_kernels import ptx_programs
+
+    return self.program(ptx_programs.PEXP_DIFF, a, b)
+
+
+def opaque_zero(source=None):
+  """A uint32 zero no compiler can prove to be zero (interpret mode only).
+
+  With a runtime `source` array: u = low byte of the bits of its first
+  element, zero = (u**3 - u) mod 3 (Fermat; u <= 255 so nothing wraps).
+  Without one: an optimization barrier on a constant zero.
+  """
+  if source is None:
+    return lax.optimization_barrier(jnp.zeros((), jnp.uint32))
+  first = jnp.ravel(source)[0].astype(F32)
+  u = lax.bitcast_convert_type(first, jnp.uint32) & jnp.uint32(0xFF)
+  return (u * u * u - u) % jnp.uint32(3)
+
 
 class InterpretOps:
   """mul/add/sub for interpret mode: each result pinned behind an opaque xor.
@@ -131,7 +200,7 @@ class InterpretOps:
   """
 
   def __init__(self, zero=None):
-    self._zero = lax.optimization_barrier(jnp.zeros((), jnp.uint32)) if zero is None else zero
+    self._zero = opaque_zero() if zero is None else zero
 
   def _pin(self, v):
     bits = lax.bitcast_convert_type(v, jnp.uint32) ^ self._zero
@@ -153,7 +222,14 @@ class InterpretOps:
   def div(self, a, b):
     return self._pin(self._f(a) / self._f(b))
 
+  def exp_diff(self, a, b):
+    """pexp(fl(a - b)) via numerics.pexp (the spec implementation)."""
+    return numerics.pexp(self.sub(a, b), self)
 
-def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object]):
-  """The ops object for a kernel body: InterpretOps on CPU, PtxOps on GPU."""
-  return InterpretOps() if interpret else PtxOps(layout_of)
+
+def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], source=None, fused: bool = True):
+  """The ops object for a kernel body: InterpretOps on CPU, PtxOps on GPU.
+
+  `source`: a runtime array of the kernel (interpret mode: seeds the opaque zero).
+  """
+  return InterpretOps(opaque_zero(source)) if interpret else PtxOps(layout_of, fused=fused)

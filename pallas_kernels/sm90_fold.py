@@ -26,18 +26,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import contract as C
 from detlogp_jax import numerics
-from pallas_kernels import ptx_ops
+from pallas_kernels import ptx_ops, tile_math
 
 F32 = jnp.float32
 FOLD_ROWS = 128  # rows per CTA: one row per thread of one warpgroup (bit-neutral)
-
-
-def _bits_ftz(x):
-  """Sign-preserving flush of subnormals via exact integer ops."""
-  bits = lax.bitcast_convert_type(x, jnp.int32)
-  is_sub = (bits & jnp.int32(0x7F800000)) == 0
-  flushed = bits & jnp.int32(-0x80000000)
-  return lax.bitcast_convert_type(jnp.where(is_sub, flushed, bits), F32)
 
 
 def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None):
@@ -57,7 +49,7 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
   def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref):
     r0 = lax.axis_index("rows") * br
     rows = pl.ds(r0, br)
-    ops = ptx_ops.make_ops(interpret, lambda shape: layout)
+    ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=load(invt_ref.at[rows]))
 
     def max_body(j, big_m):
       return jnp.maximum(big_m, load(m_ref.at[j, rows]))
@@ -71,7 +63,7 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
       return ops.add(acc, ops.mul(s_j, w))
 
     acc = lax.fori_loop(0, n_split, sum_body, cast(jnp.zeros((br,), F32)))
-    lse = ops.add(big_m, numerics.plog(acc, ops))
+    lse = ops.add(big_m, tile_math.plog(acc, ops))
     tgt = load(tgt_ref.at[rows])
     y_t = ops.mul(load(zt_ref.at[rows]), load(invt_ref.at[rows]))
     d = ops.sub(y_t, lse)
@@ -79,12 +71,8 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
     logp = jnp.where(tgt == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
     bad = ((tgt < 0) & (tgt != C.IGNORE_INDEX)) | (tgt >= vocab_size)
     logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
-    if interpret:
-      logp_ref[rows] = logp
-      lse_ref[rows] = lse
-    else:
-      logp_ref.at[rows][...] = logp
-      lse_ref.at[rows][...] = lse
+    logp_ref.at[rows][...] = logp
+    lse_ref.at[rows][...] = lse
 
   kw = {}
   if interpret:

@@ -204,6 +204,7 @@ def build_forward(
   n_local = geom.n_local
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
   row_l, col_l = _row_layout(), _col_layout()
+  stages = min(tuning.pipeline_stages(cfg, w, TILE_K), n_groups * k_iters)
 
   def kernel(*refs):
     if has_bias:
@@ -228,7 +229,7 @@ def build_forward(
           ],
           wg_axis="wg",
           num_compute_wgs=n_wg,
-          max_concurrent_steps=cfg.max_concurrent_steps,
+          max_concurrent_steps=stages,
           compute_context=compute_context,
       )
 
@@ -263,9 +264,9 @@ def build_forward(
 
         def compute_context(eval_pipeline):
           wrow = row0 + wg * bm
-          ops = ptx_ops.make_ops(interpret, _layout_of)
           tgt = _load(tgt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
           invt = _load(invt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
+          ops = ptx_ops.make_ops(interpret, _layout_of, source=invt)
           # mma_body (called from eval_pipeline) reads these.
           ctx_vals.update(ops=ops, tgt=tgt, invt=invt)
 
@@ -299,7 +300,7 @@ def build_forward(
               z = ops.add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
             col = col_iota + tcol0
             m, s, z_hit = tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret)
-            row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tgt < limit)
+            row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
             zt = jnp.where(row_hit, z_hit, zt)
             if return_logits:
               @pl.when(tile < t1)
@@ -482,7 +483,10 @@ def partials(
   tile_to_split = np.zeros((local_tiles,), np.int32)
   for js, (s0, e0) in enumerate(zip(geom.local_starts, geom.local_ends)):
     tile_to_split[s0 - geom.col_offset // TILE : e0 - geom.col_offset // TILE] = js
-  owned = (targets >= geom.col_offset) & (targets < min(shard_end, geom.vocab_size)) & (targets >= 0)
+  # As in the reference backend: a target is owned by the shard if its column
+  # has a weight row here (targets >= vocab_size that do are captured too;
+  # the fold turns them into NaN either way).
+  owned = (targets >= geom.col_offset) & (targets < geom.col_offset + v_rows)
   local_tile = jnp.clip((targets - geom.col_offset) // TILE, 0, local_tiles - 1)
   owner = jnp.asarray(tile_to_split)[local_tile]
   z_t = jnp.where(owned, zt_t[owner, jnp.arange(n)], jnp.asarray(0.0, F32))

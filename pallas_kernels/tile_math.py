@@ -9,9 +9,9 @@ oracle (`detlogp_jax.oracle`) is the specification.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from detlogp_jax import contract as C
-from detlogp_jax import numerics
 
 F32 = jnp.float32
 NEG_INF = float("-inf")
@@ -52,7 +52,8 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool):
 
   Contract: y = fl(z * inv_t) on valid lanes; tm = max(y); m' = max(m, tm);
   alpha = 1 if m == m' else pexp(m - m'); e = pexp(y - m') on valid lanes;
-  S = fl(fl(S * alpha) + tree64(e)). Returns (m', S', z_hit) where z_hit is
+  S = fl(fl(S * alpha) + tree64(e)). `ops.exp_diff(a, b)` is pexp(fl(a - b)).
+  Returns (m', S', z_hit) where z_hit is
   z at the lane with col == tgt (-inf if no lane of the row holds it; the
   caller selects it only for rows whose target lies in this tile).
   """
@@ -61,14 +62,52 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool):
   y = jnp.where(valid, ops.mul(z, inv_t_b), jnp.asarray(NEG_INF, F32))
   tm = jnp.max(y, axis=1)
   m_new = jnp.maximum(m, tm)
-  alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), numerics.pexp(ops.sub(m, m_new), ops))
+  alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
   m_b = jnp.broadcast_to(m_new[:, None], (bm, C.TILE_V))
-  e = jnp.where(valid, numerics.pexp(ops.sub(y, m_b), ops), jnp.asarray(0.0, F32))
+  e = jnp.where(valid, ops.exp_diff(y, m_b), jnp.asarray(0.0, F32))
   s_new = ops.add(ops.mul(s, alpha), tree64(e, ops, interpret=interpret))
-  # Target capture: the lane with col == tgt (at most one lane per row, and
-  # only inside [split start, m_limit)). max over -inf and the one hit lane is
-  # the hit lane's value exactly (NaN propagates, -0 stays -0).
+  # Target capture: the lane with col == tgt (at most one lane per row). max
+  # over -inf and the one hit lane is the hit lane's value exactly (NaN
+  # propagates, -0 stays -0). The caller uses it only for rows whose target
+  # lies in this tile of this split.
   tgt_b = jnp.broadcast_to(tgt[:, None], (bm, C.TILE_V))
-  hit = valid & (col == tgt_b)
+  hit = col == tgt_b
   z_hit = jnp.max(jnp.where(hit, z, jnp.asarray(NEG_INF, F32)), axis=1)
   return m_new, s_new, z_hit
+
+
+def ftz_bits(x):
+  """Sign-preserving flush of subnormals using exact integer ops only.
+
+  Same function as `numerics.ftz` (|x| < 2**-126 -> copysign(0, x)), written
+  without jnp.copysign, whose signbit -> bool conversion does not lower for
+  1-element registers in Mosaic GPU.
+  """
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  is_sub = (bits & jnp.int32(0x7F800000)) == 0
+  return lax.bitcast_convert_type(jnp.where(is_sub, bits & jnp.int32(-0x80000000), bits), F32)
+
+
+def plog(s, ops):
+  """The contract's log (oracle.plog), statement for statement as numerics.plog.
+
+  The only difference is the FTZ of the input, done with `ftz_bits` (exactly
+  equivalent); tests assert bitwise equality with oracle.plog.
+  """
+  f = lambda v: jnp.asarray(v, F32)
+  s = ftz_bits(s)
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  e = ((bits >> 23) & 0xFF) - 127
+  fr = lax.bitcast_convert_type((bits & 0x7FFFFF) | 0x3F800000, F32)
+  big = fr >= f(C.LOG_SQRT2)
+  fr = jnp.where(big, ops.mul(fr, f(0.5)), fr)
+  e = jnp.where(big, e + 1, e)
+  r = ops.sub(fr, f(1.0))
+  q = jnp.full_like(r, C.LOG_POLY[0])
+  for c in C.LOG_POLY[1:]:
+    q = ops.add(ops.mul(q, r), f(c))
+  ef = e.astype(F32)
+  lg = ops.add(ops.add(ops.mul(ef, f(C.LOG_LN2_LO)), ops.mul(r, q)), ops.mul(ef, f(C.LOG_LN2_HI)))
+  lg = jnp.where(s == 0, f(-jnp.inf), lg)
+  lg = jnp.where(s == jnp.inf, f(jnp.inf), lg)
+  return jnp.where((s < 0) | (s != s), f(jnp.nan), lg)

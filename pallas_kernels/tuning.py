@@ -46,13 +46,24 @@ class LaunchConfig:
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).
 BUCKETS: dict[str, LaunchConfig] = {
-    # One row block; the splits spread over all SMs (264 splits ~ 2 per SM).
-    "decode": LaunchConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=4, ctas_per_sm=2),
+    # One row block of 64; the 264 splits spread over all SMs (2 per CTA),
+    # deep TMA pipeline to keep ~4 TB/s of weight streaming in flight.
+    "decode": LaunchConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=6, ctas_per_sm=1),
     # Two consumer warpgroups, 64 rows each.
     "small": LaunchConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
     # Large M: 2 x 64 rows per CTA, deeper pipeline.
     "prefill": LaunchConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=5, ctas_per_sm=1),
 }
+
+# Shared memory the TMA pipeline may use per CTA (H200: 227 KiB per block;
+# the rest is left for the logits staging tiles and barriers).
+PIPELINE_SMEM_BUDGET = 192 * 1024
+
+
+def pipeline_stages(cfg: LaunchConfig, tiles_per_group: int, tile_k: int = 64) -> int:
+  """Pipeline depth that fits the SMEM budget (bit-neutral)."""
+  stage_bytes = (cfg.cta_rows + 64 * tiles_per_group) * tile_k * 2
+  return max(2, min(cfg.max_concurrent_steps, PIPELINE_SMEM_BUDGET // stage_bytes))
 
 # Upper bounds (inclusive) of M per bucket, in order.
 BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (512, "small"), (1 << 62, "prefill"))
