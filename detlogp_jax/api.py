@@ -227,9 +227,8 @@ def linear_logp(
     Differentiable w.r.t. hidden, weight and bias (chunked custom_vjp).
     """
     C.check_no_overrides(tuning)
-    hidden = jnp.asarray(hidden) if isinstance(hidden, np.ndarray) else hidden
-    weight = jnp.asarray(weight) if isinstance(weight, np.ndarray) else weight
-    targets = jnp.asarray(targets) if isinstance(targets, (np.ndarray, list)) else targets
+    # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
+    targets = np.asarray(targets) if isinstance(targets, (list, tuple)) else targets
     vocab, padded = _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
     lead = hidden.shape[:-1]
     n = math.prod(lead)
@@ -238,32 +237,41 @@ def linear_logp(
     if checked:
         _check_targets(targets, vocab)
 
-    h2 = hidden.reshape(n, hidden.shape[-1])
-    t2 = targets.reshape(n).astype(jnp.int32)
-    be, fallback = backends.resolve(backend, h2, weight)
+    be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
     _LAST_PROVENANCE[:] = [_provenance(be, fallback, vocab, padded, backend)]
     cfg = _Config(be.name, vocab, padded, bool(return_logits), tuple(sorted((tuning or {}).items())))
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)
-    inv_t = _inv_t(temperature, n)
-
+    if not hasattr(temperature, "shape"):
+        temperature = jnp.asarray(temperature, jnp.float32)  # a runtime value: no retrace per T
     pad = 0
-    if be.name == "reference" and _is_concrete(h2):
+    if be.name == "reference" and _is_concrete(hidden):
         pad = _row_bucket(n) - n
+    h2, t2, inv_t = _prepare(hidden, targets, temperature, pad)
+    logp, lse, logits = _impl(h2, weight, bias, t2, inv_t, cfg)
+    return LogpOutput(*_finish(logp, lse, logits, lead))
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _prepare(hidden, targets, temperature, pad: int):
+    """Flattens leading dims, computes inv_t, pads rows to a compile bucket."""
+    n = math.prod(hidden.shape[:-1])
+    h2 = hidden.reshape(n, hidden.shape[-1])
+    t2 = targets.reshape(n).astype(jnp.int32)
+    inv_t = _inv_t(temperature, n)
     if pad:
         h2 = jnp.pad(h2, ((0, pad), (0, 0)))
         t2 = jnp.pad(t2, (0, pad), constant_values=C.IGNORE_INDEX)
         inv_t = jnp.pad(inv_t, (0, pad), constant_values=1.0)
-    logp, lse, logits = _impl(h2, weight, bias, t2, inv_t, cfg)
-    if pad:
-        logp, lse = logp[:n], lse[:n]
-        logits = None if logits is None else logits[:n]
-    return LogpOutput(
-        logp.reshape(lead),
-        lse.reshape(lead),
-        None if logits is None else logits.reshape(lead + (vocab,)),
-    )
+    return h2, t2, inv_t
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _finish(logp, lse, logits, lead):
+    n = math.prod(lead)
+    out_logits = None if logits is None else logits[:n].reshape(lead + logits.shape[1:])
+    return logp[:n].reshape(lead), lse[:n].reshape(lead), out_logits
 
 
 def _provenance(be, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
@@ -287,7 +295,8 @@ def _provenance(be, fallback: bool, vocab: int, padded: int, requested: str) -> 
 
 def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto") -> C.Provenance:
     """The provenance record a call with these arguments would get (no compute)."""
-    be, fallback = backends.resolve(backend, hidden.reshape(-1, hidden.shape[-1]), weight)
+    h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
+    be, fallback = backends.resolve(backend, h2, weight)
     vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
     padded = max(weight.shape[0], vocab) if padded_vocab_size is None else int(padded_vocab_size)
     return _provenance(be, fallback, vocab, padded, backend)

@@ -130,7 +130,7 @@ def partials(
     col_steps = jnp.asarray(cols, jnp.int32)
     gather = jnp.asarray(gather, jnp.int32)
     h32 = numerics.ftz(hidden.astype(jnp.float32))
-    zero = numerics.opaque_zero()
+    zero = numerics.opaque_zero(hidden)
 
     n_blocks = max(1, -(-n_rows // ROW_BLOCK))
     rb = max(1, -(-n_rows // n_blocks))
