@@ -73,13 +73,25 @@ def test_dtype_cast_and_errors():
         LogpHead(D, V, mesh=jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",)), rngs=nnx.Rngs(0))  # no tp_axis
 
 
-@pytest.mark.skipif(tp_entry() is not None, reason="sharding.linear_logp_tp exists")
-def test_mesh_without_tp_entry_is_clear():
+def test_mesh_routes_to_tp_entry():
+    """With mesh/tp_axis the head pads its weight to V_pad and calls sharding.linear_logp_tp
+    (here a 1-device mesh: same bytes as the unsharded head)."""
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
     head = LogpHead(D, V, mesh=mesh, tp_axis="tp", backend="reference", rngs=nnx.Rngs(0))
     h, t = _data()
-    with pytest.raises(NotImplementedError, match="linear_logp_tp"):
-        head(h, t)
+    if tp_entry() is None:
+        with pytest.raises(NotImplementedError, match="linear_logp_tp"):
+            head(h, t)
+        return
+    plain = LogpHead(D, V, backend="reference", rngs=nnx.Rngs(0))
+    assert head.kernel.shape == (512, D)
+    np.testing.assert_array_equal(np.asarray(head.kernel[...])[:V], np.asarray(plain.kernel[...]))
+    a, b = head(h, t, return_logits=True), plain(h, t, return_logits=True)
+    assert_bitwise_equal(a.logp, b.logp, "tp logp")
+    assert_bitwise_equal(a.logits, b.logits, "tp logits")
+    g = nnx.grad(lambda m: m.loss(h, t))(head)
+    gp = nnx.grad(lambda m: m.loss(h, t))(plain)
+    np.testing.assert_allclose(np.asarray(g.weight[...])[:V], np.asarray(gp.weight[...]), rtol=1e-5, atol=1e-7)
 
 
 # ---- training a tiny decoder LM -------------------------------------------------------
