@@ -1,0 +1,169 @@
+"""The pallas_sm90 kernels in Mosaic GPU interpret mode on CPU.
+
+Interpret mode runs the same kernel code (TMA pipeline, warpgroups, barriers,
+wgmma as acc + matmul, the chain epilogue) with the post-GEMM arithmetic as
+pinned XLA:CPU ops, so the kernel's partials and fold must equal the oracle
+bit for bit given the kernel's own logits. Race detection is on where the
+grid has one CTA (the interpreter's race detector keys per-CTA register
+buffers by thread, so persistent multi-CTA runs report false races between
+different CTAs' accumulators; cross-CTA output regions are disjoint by
+construction: a (split, row block) work item is owned by exactly one CTA).
+
+Interpret mode is slow (~0.1-0.2 s per pipeline step); shapes are tiny and the
+larger cases are marked slow.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from detlogp_jax import contract as C
+from detlogp_jax import oracle
+from tests.conftest import assert_bitwise_equal
+
+pk = pytest.importorskip("pallas_kernels")
+from pallas_kernels import tuning  # noqa: E402
+
+
+def _races_found():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    return gpu_callbacks.get_races().races_found
+
+
+def _problem(n, d, v, bias=True, seed=0, temp=0.7, per_row_t=False):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v, d)) * 0.2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(v), jnp.float32) if bias else None
+    t = rng.integers(0, v, n).astype(np.int32)
+    if n > 3:
+        t[0], t[1], t[2], t[3] = C.IGNORE_INDEX, v - 1, v + 3, -7
+    temp = rng.uniform(0.5, 1.5, n).astype(np.float32) if per_row_t else np.float32(temp)
+    inv_t = oracle.inv_temperature(temp, n)
+    return h, w, b, t, inv_t, temp
+
+
+def _run(h, w, b, t, inv_t, v, vp, *, races=False, **kw):
+    ip = plgpu.InterpretGPUParams(detect_races=races)
+    out = pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp,
+                      interpret=True, interpret_params=ip, **kw)
+    out = jax.block_until_ready(out)
+    if races:
+        assert not _races_found(), "race detected in the forward kernel"
+    logp, lse = pk.fold(out[0], out[1], out[2], jnp.asarray(t), jnp.asarray(inv_t), v, interpret=True,
+                        interpret_params=ip)
+    if races:
+        assert not _races_found(), "race detected in the fold kernel"
+    return out, np.asarray(logp), np.asarray(lse)
+
+
+def _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp):
+    m, s, z_t, owned, logits = (None if x is None else np.asarray(x) for x in out)
+    mo, so = oracle.split_partials(oracle.ftz(logits), v, vp, inv_t)
+    assert_bitwise_equal(m, mo, "m")
+    assert_bitwise_equal(s, so, "s")
+    rl, rs = oracle.logp_lse(logits, t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
+    assert_bitwise_equal(logp, rl, "logp")
+    assert_bitwise_equal(lse, rs, "lse")
+    # z_t: the raw logit of the target where the shard owns it.
+    want_owned = (t >= 0) & (t < logits.shape[1])
+    assert np.array_equal(owned, want_owned)
+    idx = np.where(want_owned)[0]
+    assert_bitwise_equal(z_t[idx], logits[idx, t[idx]], "z_t")
+
+
+def test_forward_and_fold_equal_oracle_with_race_detection():
+    n, d, v, vp = 64, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, per_row_t=True)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, return_logits=True, bucket="decode", num_ctas=1)
+    _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
+    assert logp[0] == 0.0 and np.isnan(logp[2]) and np.isnan(logp[3])
+    # Trainer entry (no logits) gives the same partials bytes.
+    out2, logp2, lse2 = _run(h, w, b, t, inv_t, v, vp, races=True, return_logits=False, bucket="decode", num_ctas=1)
+    assert out2[4] is None
+    for a, c, name in zip(out[:4], out2[:4], ("m", "s", "z_t", "owned")):
+        assert_bitwise_equal(np.asarray(a, np.float32), np.asarray(c, np.float32), name)
+    assert_bitwise_equal(logp, logp2, "logp")
+    assert_bitwise_equal(lse, lse2, "lse")
+
+
+def test_fold_kernel_equals_oracle():
+    rng = np.random.default_rng(5)
+    n, ns, v = 200, 37, 1000
+    m = rng.normal(0, 3, (n, ns)).astype(np.float32)
+    s = rng.uniform(0.5, 40, (n, ns)).astype(np.float32)
+    m[5, :] = -np.inf
+    s[5, :] = 0
+    m[6, 3] = np.nan
+    m[7, ::2] = -np.inf
+    s[7, ::2] = 0
+    m[8, :] = m[8, 0]
+    z_t = rng.normal(0, 5, n).astype(np.float32)
+    z_t[9] = 1e-40
+    t = rng.integers(0, v, n).astype(np.int32)
+    t[10], t[11], t[12] = C.IGNORE_INDEX, v, -3
+    inv_t = oracle.inv_temperature(rng.uniform(0.3, 2, n).astype(np.float32), n)
+    logp, lse = pk.fold(m, s, z_t, t, inv_t, v, interpret=True)
+    rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
+    assert_bitwise_equal(np.asarray(logp), rl, "logp")
+    assert_bitwise_equal(np.asarray(lse), rs, "lse")
+
+
+@pytest.mark.slow
+def test_buckets_and_batch_invariance():
+    """Probe rows alone vs inside a batch at several positions, every bucket forced."""
+    n, d, v, vp = 130, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=1)
+    probe = np.array([0, 64, 129])
+    ref, ref_logp, ref_lse = _run(h[probe], w, b, t[probe], inv_t[probe], v, vp, bucket="decode", num_ctas=1)
+    for bucket in sorted(tuning.BUCKETS):
+        out, logp, lse = _run(h, w, b, t, inv_t, v, vp, bucket=bucket, num_ctas=2, return_logits=(bucket == "small"))
+        if bucket == "small":
+            _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
+        assert_bitwise_equal(np.asarray(out[0])[probe], np.asarray(ref[0]), f"m {bucket}")
+        assert_bitwise_equal(np.asarray(out[1])[probe], np.asarray(ref[1]), f"s {bucket}")
+        assert_bitwise_equal(logp[probe], ref_logp, f"logp {bucket}")
+        assert_bitwise_equal(lse[probe], ref_lse, f"lse {bucket}")
+
+
+@pytest.mark.slow
+def test_unpadded_weight_and_tp_shards():
+    n, d, v, vp = 16, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=2)
+    full, logp, lse = _run(h, w, b, t, inv_t, v, vp, num_ctas=2)
+    # Padded weight (zero rows up to V_pad) gives the same bytes.
+    wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+    bp = jnp.pad(b, (0, vp - v))
+    padded, logp_p, lse_p = _run(h, wp, bp, t, inv_t, v, vp, num_ctas=2)
+    for a, c, name in zip(full[:2], padded[:2], ("m", "s")):
+        assert_bitwise_equal(np.asarray(a), np.asarray(c), name)
+    assert_bitwise_equal(logp, logp_p, "logp padded")
+    assert_bitwise_equal(lse, lse_p, "lse padded")
+    # Two TP shards of 256 columns: concatenated partials equal the full ones.
+    ms, ss, zs, os_ = [], [], [], []
+    for r in range(2):
+        lo = 256 * r
+        out = pk.partials(h, wp[lo:lo + 256], bp[lo:lo + 256], jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v,
+                          padded_vocab_size=vp, col_offset=lo, shard_cols=256, interpret=True, num_ctas=2)
+        ms.append(np.asarray(out[0]))
+        ss.append(np.asarray(out[1]))
+        zs.append(np.asarray(out[2]))
+        os_.append(np.asarray(out[3]))
+    assert_bitwise_equal(np.concatenate(ms, 1), np.asarray(full[0]), "m shards")
+    assert_bitwise_equal(np.concatenate(ss, 1), np.asarray(full[1]), "s shards")
+    z_t = np.where(os_[0], zs[0], zs[1])
+    own = np.asarray(full[3])
+    assert_bitwise_equal(z_t[own], np.asarray(full[2])[own], "z_t shards")
+
+
+@pytest.mark.slow
+def test_multi_tile_splits_and_groups(monkeypatch):
+    """264 splits of 1-2 tiles; w forced to 1 so a split spans 2 tile groups (chain across groups)."""
+    n, d, v, vp = 3, 192, 17300, 17408
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=3)
+    monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: 1)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, return_logits=True, bucket="decode", num_ctas=1)
+    _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
