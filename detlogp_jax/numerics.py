@@ -22,20 +22,27 @@ from detlogp_jax import contract as C
 F32 = jnp.float32
 
 
-def opaque_zero(source=None):
+def opaque_zero(*sources):
     """A uint32 zero that neither XLA nor LLVM can prove to be zero.
 
-    u = (low byte of the bits of a runtime value); zero = (u^3 - u) mod 3, which
-    is 0 for every u by Fermat's little theorem (u <= 255, so nothing wraps),
-    while compilers' constant folding and known-bits analyses cannot see it.
-    `source` should be a runtime array (e.g. the hidden states); without one,
-    the zero is only as opaque as an optimization barrier on a constant.
+    u = xor of the low bytes of the first element of every source array;
+    zero = (u^3 - u) mod 3, which is 0 for every u by Fermat's little theorem
+    (u <= 255, so nothing wraps), while constant folding and known-bits analyses
+    cannot see it. Pass every runtime input of the computation: the zero is
+    opaque as long as one of them is not a compile-time constant (with none,
+    an optimization barrier on a constant is the last resort).
     """
-    if source is None:
+    u = None
+    for src in sources:
+        if src is None or src.size == 0:
+            continue
+        first = jnp.ravel(src)[:1]
+        if jnp.issubdtype(first.dtype, jnp.floating):
+            first = lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32)
+        first = first.astype(jnp.uint32)[0]
+        u = first if u is None else u ^ first
+    if u is None:
         u = lax.optimization_barrier(jnp.zeros((), jnp.uint32))
-    else:
-        flat = jnp.ravel(source)[:1].astype(jnp.float32)
-        u = lax.bitcast_convert_type(flat, jnp.uint32)[0] if flat.size else jnp.uint32(0)
     u = u & jnp.uint32(0xFF)
     return (u * u * u - u) % jnp.uint32(3)
 
@@ -143,7 +150,7 @@ def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None):
     Global max first, then S = fl(S + fl(S_j * w_j)) over ascending j; see
     oracle.fold for the full statement (ignore_index, bad targets, clamp).
     """
-    ops = XlaOps(opaque_zero(s)) if ops is None else ops
+    ops = XlaOps(opaque_zero(m, s, z_t, targets, inv_t)) if ops is None else ops
     big_m = jnp.max(m, axis=1)
 
     def body(acc, cols):

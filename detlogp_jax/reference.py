@@ -25,7 +25,7 @@ from detlogp_jax import contract as C
 from detlogp_jax import numerics
 
 BACKEND_NAME = "reference"
-ROW_BLOCK = 256  # bit-neutral: rows are independent
+ROW_BLOCK = 128  # bit-neutral: rows are independent
 
 
 def _local_plan(padded_vocab_size: int, col_offset: int, shard_cols: int):
@@ -130,7 +130,7 @@ def partials(
     col_steps = jnp.asarray(cols, jnp.int32)
     gather = jnp.asarray(gather, jnp.int32)
     h32 = numerics.ftz(hidden.astype(jnp.float32))
-    zero = numerics.opaque_zero(hidden)
+    zero = numerics.opaque_zero(hidden, weight, bias, targets, inv_t)
 
     n_blocks = max(1, -(-n_rows // ROW_BLOCK))
     rb = max(1, -(-n_rows // n_blocks))
