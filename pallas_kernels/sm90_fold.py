@@ -87,6 +87,12 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
   )
 
 
+@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params"))
+def _fold_core(*args, **static):
+  """The fold launch, jitted on the padded row count (shared across N)."""
+  return build_fold(**static)(*args)
+
+
 def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None):
   """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N])."""
   n_split, n = mT.shape
@@ -96,13 +102,13 @@ def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: 
   def p(x, val):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=val) if pad else x
 
-  f = build_fold(n_split=n_split, n_pad=n_pad, vocab_size=int(vocab_size), interpret=interpret, interpret_params=interpret_params)
-  logp, lse = f(
+  logp, lse = _fold_core(
       p(mT.astype(F32), -jnp.inf),
       p(sT.astype(F32), 0.0),
       p(z_t.astype(F32), 0.0),
       p(targets.astype(jnp.int32), C.IGNORE_INDEX),
       p(inv_t.astype(F32), 1.0),
+      n_split=n_split, n_pad=n_pad, vocab_size=int(vocab_size), interpret=interpret, interpret_params=interpret_params,
   )
   return logp[:n], lse[:n]
 

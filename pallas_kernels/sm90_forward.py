@@ -185,6 +185,7 @@ def build_forward(
     interpret: bool,
     interpret_params=None,
     lg_rows: int | None = None,
+    fused_ptx: bool = True,
 ):
   """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs."""
   bm = cfg.block_m
@@ -266,7 +267,7 @@ def build_forward(
           wrow = row0 + wg * bm
           tgt = _load(tgt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
           invt = _load(invt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
-          ops = ptx_ops.make_ops(interpret, _layout_of, source=invt)
+          ops = ptx_ops.make_ops(interpret, _layout_of, source=invt, fused=fused_ptx)
           # mma_body (called from eval_pipeline) reads these.
           ctx_vals.update(ops=ops, tgt=tgt, invt=invt)
 
@@ -357,6 +358,17 @@ def build_forward(
   )
 
 
+_STATIC = ("n_pad", "d", "v_rows", "geom", "cfg", "has_bias", "return_logits", "num_ctas", "interpret",
+           "interpret_params", "lg_rows", "fused_ptx")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _forward_core(*args, **static):
+  """The kernel launch, jitted on the padded row count: eager callers with
+  different N that pad to the same row blocks share one compiled kernel."""
+  return build_forward(**static)(*args)
+
+
 def _check_inputs(hidden, weight, bias, targets, inv_t):
   if hidden.ndim != 2 or weight.ndim != 2:
     raise ValueError(f"hidden must be [N, D] and weight [V, D], got {hidden.shape}, {weight.shape}")
@@ -399,6 +411,7 @@ def partials(
     num_ctas: int | None = None,
     interpret: bool = False,
     interpret_params=None,
+    _fused_ptx: bool = True,
 ):
   """Per-split LSE partials of z = hidden @ weight.T (+ bias) for the local shard.
 
@@ -419,6 +432,8 @@ def partials(
     bucket: force a launch bucket of `tuning.BUCKETS` (bit-neutral).
     num_ctas: force the persistent CTA count (bit-neutral).
     interpret: run under `plgpu.InterpretGPUParams` on CPU.
+    _fused_ptx: (diagnostics) False emits exp op by op through
+      `numerics.pexp` instead of the straight-line PTX program (same bits).
 
   Returns:
     (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
@@ -466,12 +481,11 @@ def partials(
   # Logits rows: TMA clips rows past the array, but the array's row count
   # must be a multiple of 8 (or < 8) for the tiled store.
   lg_rows = n if (n % 8 == 0 or n < 8) else -(-n // 8) * 8
-  f = build_forward(
-      n_pad=n_pad, d=d, v_rows=v_rows8, geom=geom, cfg=cfg, has_bias=bias is not None,
+  outs = _forward_core(
+      *args, n_pad=n_pad, d=d, v_rows=v_rows8, geom=geom, cfg=cfg, has_bias=bias is not None,
       return_logits=return_logits, num_ctas=num_ctas, interpret=interpret,
-      interpret_params=interpret_params, lg_rows=lg_rows,
+      interpret_params=interpret_params, lg_rows=lg_rows, fused_ptx=_fused_ptx,
   )
-  outs = f(*args)
   m_t, s_t, zt_t = outs[:3]
   logits = None
   if return_logits:

@@ -1,0 +1,89 @@
+"""pallas_sm90 on a real Hopper GPU (skipped elsewhere; see tests/conftest.py).
+
+Quick versions of the ladder's checks (tests/gpu/run_ladder.py runs the full
+Qwen3-8B-scale ladder and timings):
+* oracle.logp_lse(kernel's own logits) == kernel logp/lse, bit for bit;
+* trainer entry (no logits) == serving entry bytes;
+* every launch bucket gives the same bytes; a row alone == the row in a batch;
+* an unpadded weight + padded_vocab_size == the zero-padded weight.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from detlogp_jax import contract as C
+from detlogp_jax import oracle
+from tests.conftest import assert_bitwise_equal
+
+pytestmark = pytest.mark.gpu
+
+pk = pytest.importorskip("pallas_kernels")
+from pallas_kernels import tuning  # noqa: E402
+
+
+def _problem(n, d, v, seed=0, bias=True):
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((v, d)) * (2.0 / np.sqrt(d)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal(v), jnp.float32) if bias else None
+  t = rng.integers(0, v, n).astype(np.int32)
+  if n > 3:
+    t[0], t[1], t[2] = C.IGNORE_INDEX, v - 1, v + 5
+  temp = rng.uniform(0.5, 1.5, n).astype(np.float32)
+  return h, w, b, t, temp, oracle.inv_temperature(temp, n)
+
+
+def _entry(h, w, b, t, inv_t, v, vp, **kw):
+  m, s, zt, own, lg = pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp, **kw)
+  logp, lse = pk.fold(m, s, zt, jnp.asarray(t), jnp.asarray(inv_t), v)
+  return {k: (None if x is None else np.asarray(x)) for k, x in
+          dict(m=m, s=s, z_t=zt, owned=own, logits=lg, logp=logp, lse=lse).items()}
+
+
+SHAPES = [(7, 192, 1001), (130, 320, 50000), (65, 1024, 32000)]
+
+
+@pytest.mark.parametrize("n,d,v", SHAPES)
+def test_oracle_and_entries(n, d, v):
+  vp = C.canonical_padded_vocab(v)
+  h, w, b, t, temp, inv_t = _problem(n, d, v)
+  srv = _entry(h, w, b, t, inv_t, v, vp, return_logits=True)
+  trn = _entry(h, w, b, t, inv_t, v, vp)
+  rl, rs = oracle.logp_lse(srv["logits"], t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
+  assert_bitwise_equal(srv["logp"], rl, "logp vs oracle")
+  assert_bitwise_equal(srv["lse"], rs, "lse vs oracle")
+  for k in ("m", "s", "z_t", "logp", "lse"):
+    assert_bitwise_equal(srv[k], trn[k], f"{k} trainer vs serving")
+
+
+@pytest.mark.parametrize("n,d,v", SHAPES[:2])
+def test_buckets_and_rows_alone(n, d, v):
+  vp = C.canonical_padded_vocab(v)
+  h, w, b, t, temp, inv_t = _problem(n, d, v, seed=1)
+  outs = {bk: _entry(h, w, b, t, inv_t, v, vp, bucket=bk) for bk in sorted(tuning.BUCKETS)}
+  first = outs[sorted(outs)[0]]
+  for bk, o in outs.items():
+    for k in ("m", "s", "logp", "lse"):
+      assert_bitwise_equal(o[k], first[k], f"{k} bucket {bk}")
+  for r in (0, n // 2, n - 1):
+    alone = _entry(h[r:r + 1], w, b, t[r:r + 1], inv_t[r:r + 1], v, vp)
+    for k in ("m", "s", "logp", "lse"):
+      assert_bitwise_equal(alone[k], first[k][r:r + 1], f"{k} row {r} alone")
+
+
+def test_unpadded_weight():
+  n, d, v = 64, 256, 5000
+  vp = C.canonical_padded_vocab(v)
+  h, w, b, t, temp, inv_t = _problem(n, d, v, seed=2, bias=False)
+  a = _entry(h, w, None, t, inv_t, v, vp, return_logits=True)
+  wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+  c = _entry(h, wp, None, t, inv_t, v, vp, return_logits=True)
+  for k in ("m", "s", "z_t", "logp", "lse"):
+    assert_bitwise_equal(a[k], c[k], f"{k} unpadded vs padded")
+  assert_bitwise_equal(a["logits"], c["logits"][:, :v], "logits")
+
+
+def test_is_available():
+  assert pk.is_available()
