@@ -1,0 +1,1 @@
+"""Benchmark runner for detlogp-jax (`python -m benchmarks.run --help`)."""

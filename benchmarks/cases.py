@@ -1,0 +1,169 @@
+"""What one benchmark case computes: a jit-able fn(hidden, weight, targets) -> dict.
+
+Backends:
+  pallas_sm90, reference, xla  -> `detlogp_jax.linear_logp(backend=...)`
+  xla_chunked                  -> `baselines.chunked_logp` (2048-row vocab blocks)
+  gemm                         -> `baselines.gemm`, the GEMM alone (ceiling)
+
+Entries: trainer (logp, lse) or serving (also FP32 logits; for gemm the GEMM
+output is the logits either way). Modes: fwd, or fwd_bwd = value_and_grad
+w.r.t. hidden and weight of sum(logp) (for gemm: of 0.5 * sum(z**2), so the
+backward is two real GEMMs rather than a broadcast XLA could simplify away).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import baselines
+from benchmarks.shapes import Shape
+from detlogp_jax import api as detlogp_api
+from detlogp_jax import backends as detlogp_backends
+
+LIBRARY_BACKENDS = ("pallas_sm90", "reference", "xla")
+ALL_BACKENDS = LIBRARY_BACKENDS + ("xla_chunked", "gemm")
+ENTRIES = ("trainer", "serving")
+MODES = ("fwd", "fwd_bwd")
+
+# Outputs with one row per input row: these are what the batch-invariance probe compares.
+FORWARD_ROW_FIELDS = ("logp", "lse", "logits")
+GRAD_ROW_FIELDS = ("d_hidden",)
+
+CaseFn = Callable[[jax.Array, jax.Array, jax.Array], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    backend: str
+    shape: Shape
+    entry: str = "trainer"
+    mode: str = "fwd"
+    gemm_out: str = "bf16"  # GEMM-alone output dtype: bf16 or f32
+    chunk_block: int = baselines.DEFAULT_BLOCK
+    tuning: tuple = ()  # bit-neutral knobs for linear_logp, as sorted (key, value) pairs
+
+    def __post_init__(self):
+        if self.backend not in ALL_BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose from {ALL_BACKENDS}")
+        if self.entry not in ENTRIES or self.mode not in MODES:
+            raise ValueError(f"entry must be in {ENTRIES} and mode in {MODES}")
+
+    @property
+    def serving(self) -> bool:
+        return self.entry == "serving"
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why a backend cannot run on this machine at all (None if it can)."""
+    if backend not in LIBRARY_BACKENDS:
+        return None
+    try:
+        be = detlogp_backends.get(backend)
+        if be.available():
+            return None
+        return be.description if be.description.startswith("unavailable") else "unavailable on this machine"
+    except Exception as e:  # a half-built backend module is simply unavailable
+        return f"unavailable ({type(e).__name__}: {e})"
+
+
+def unsupported_reason(backend: str, hidden, weight) -> str | None:
+    """Why a library backend cannot serve these operands (None if it can); no silent fallback."""
+    if backend not in LIBRARY_BACKENDS:
+        return None
+    ok, why = detlogp_backends.get(backend).supports(hidden, weight)
+    return None if ok else f"{backend} cannot serve this call: {why}"
+
+
+def _library_forward(spec: CaseSpec) -> CaseFn:
+    def fn(hidden, weight, targets):
+        out = detlogp_api.linear_logp(
+            hidden,
+            weight,
+            targets,
+            vocab_size=spec.shape.v_real,
+            padded_vocab_size=spec.shape.v_rows,
+            return_logits=spec.serving,
+            backend=spec.backend,
+            tuning=dict(spec.tuning) or None,
+        )
+        res = {"logp": out.logp, "lse": out.lse}
+        if spec.serving:
+            res["logits"] = out.logits
+        return res
+
+    return fn
+
+
+def _chunked_forward(spec: CaseSpec) -> CaseFn:
+    def fn(hidden, weight, targets):
+        logp, lse, logits = baselines.chunked_logp(
+            hidden, weight, targets, vocab_size=spec.shape.v_real, block=spec.chunk_block, return_logits=spec.serving
+        )
+        res = {"logp": logp, "lse": lse}
+        if spec.serving:
+            res["logits"] = logits
+        return res
+
+    return fn
+
+
+def _gemm_forward(spec: CaseSpec) -> CaseFn:
+    out_dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[spec.gemm_out]
+
+    def fn(hidden, weight, targets):
+        del targets
+        return {"logits": baselines.gemm(hidden, weight, out_dtype)}
+
+    return fn
+
+
+def _loss(spec: CaseSpec, out: dict):
+    if spec.backend == "gemm":
+        z = out["logits"].astype(jnp.float32)
+        return 0.5 * jnp.sum(z * z)
+    return jnp.sum(out["logp"])
+
+
+def _with_grad(spec: CaseSpec, forward: CaseFn) -> CaseFn:
+    def fn(hidden, weight, targets):
+        def loss(h, w):
+            out = forward(h, w, targets)
+            return _loss(spec, out), out
+
+        (_, out), (d_hidden, d_weight) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, weight)
+        return {**out, "d_hidden": d_hidden, "d_weight": d_weight}
+
+    return fn
+
+
+def build(spec: CaseSpec) -> CaseFn:
+    """The (un-jitted) function one case times."""
+    if spec.backend in LIBRARY_BACKENDS:
+        forward = _library_forward(spec)
+    elif spec.backend == "xla_chunked":
+        forward = _chunked_forward(spec)
+    else:
+        forward = _gemm_forward(spec)
+    return forward if spec.mode == "fwd" else _with_grad(spec, forward)
+
+
+def flops(spec: CaseSpec, m: int) -> float:
+    """Model FLOPs: 2*M*D*V_rows for the forward GEMM, x3 with the two backward GEMMs."""
+    fwd = 2.0 * m * spec.shape.d * spec.shape.v_rows
+    return fwd if spec.mode == "fwd" else 3.0 * fwd
+
+
+def min_bytes(spec: CaseSpec, m: int, itemsize: int) -> float:
+    """Bytes a perfect logp kernel must move: W + hidden + targets + outputs (+ dW, dh)."""
+    d, v_rows, v_real = spec.shape.d, spec.shape.v_rows, spec.shape.v_real
+    w, h = v_rows * d * itemsize, m * d * itemsize
+    total = w + h + 4 * m + 8 * m  # targets int32, logp + lse f32
+    if spec.serving:
+        total += 4 * m * v_real
+    if spec.mode == "fwd_bwd":
+        total += w + h
+    return float(total)

@@ -1,0 +1,394 @@
+"""Benchmark runner: linear_logp backends vs XLA baselines vs the GEMM alone.
+
+    python -m benchmarks.run --shape tiny --m 1,8,64 --backends reference,xla,xla_chunked,gemm
+    python benchmarks/run.py --shape qwen3_8b --backends pallas_sm90,xla,xla_chunked,gemm
+
+See benchmarks/README.md for the columns and the recommended H200 commands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from benchmarks import cases, report, shapes, timing
+from benchmarks.report import CaseResult
+from detlogp_jax import backends as detlogp_backends
+from detlogp_jax import contract
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MS = (1, 2, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+FLAGS = flags.FLAGS
+# absl.logging registers "-v" as a short alias of --verbosity; --v here is the vocab size
+# (--verbosity itself stays available).
+if "v" in FLAGS and FLAGS["v"].name == "verbosity":
+    delattr(FLAGS, "v")
+flags.DEFINE_enum("shape", "qwen3_8b", sorted(shapes.SHAPES) + ["custom"], "lm_head shape by name (see benchmarks/shapes.py).")
+flags.DEFINE_integer("d", None, "custom: hidden size D.")
+flags.DEFINE_integer("v", None, "custom: weight rows (padded vocab); default canonical padding of --v_real.")
+flags.DEFINE_integer("v_real", None, "custom: real vocabulary (vocab_size); default --v.")
+flags.DEFINE_list("m", [str(m) for m in DEFAULT_MS], "Rows per call (M) to sweep.")
+flags.DEFINE_list("backends", ["pallas_sm90", "xla", "xla_chunked", "gemm"], f"Backends, from {list(cases.ALL_BACKENDS)}.")
+flags.DEFINE_enum("entry", "trainer", list(cases.ENTRIES), "trainer: logp+lse; serving: also FP32 logits (return_logits=True).")
+flags.DEFINE_enum("mode", "fwd", list(cases.MODES), "fwd, or fwd_bwd = grad of sum(logp) w.r.t. hidden and weight.")
+flags.DEFINE_integer("warmup", 5, "Warmup calls per case (after compilation).")
+flags.DEFINE_integer("iters", 30, "Timed samples per case (a sample = --calls_per_sample calls, then one sync).")
+flags.DEFINE_integer("calls_per_sample", 1, "Back-to-back calls per timed sample (1 = sync after every call); >1 hides host dispatch/sync latency at small M.")
+flags.DEFINE_enum("dtype", "bf16", list(DTYPES), "hidden/weight dtype.")
+flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
+flags.DEFINE_string("out", None, "JSON path (default benchmarks/results/<shape>_<entry>_<mode>_<device>.json).")
+flags.DEFINE_string("plot", None, "PNG path (default: --out with .png; 'none' to skip).")
+flags.DEFINE_float("max_seconds_per_case", 60.0, "Guard: warmup+timing budget per case; larger M of a backend predicted to exceed it are skipped.")
+flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth (TB/s) for the memory floor in the plot (H200 measured ~4.0).")
+flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak (TFLOP/s) for the compute floor in the plot.")
+flags.DEFINE_integer("input_sets", 2, "Input sets (hidden, targets) rotated across calls; the weight is shared.")
+flags.DEFINE_enum("gemm_out", "bf16", ["bf16", "f32"], "Output dtype of the GEMM-alone ceiling.")
+flags.DEFINE_integer("chunk_block", 2048, "xla_chunked: vocab rows per block.")
+flags.DEFINE_string("tuning", "", "JSON dict of bit-neutral knobs passed to linear_logp (e.g. '{\"block_m\": 128}').")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    shape: shapes.Shape
+    ms: tuple[int, ...] = DEFAULT_MS
+    backends: tuple[str, ...] = ("pallas_sm90", "xla", "xla_chunked", "gemm")
+    entry: str = "trainer"
+    mode: str = "fwd"
+    warmup: int = 5
+    iters: int = 30
+    calls_per_sample: int = 1
+    dtype: str = "bf16"
+    seed: int = 0
+    max_seconds_per_case: float = 60.0
+    hbm_tbps: float = 4.0
+    peak_tflops: float = 790.0
+    input_sets: int = 2
+    gemm_out: str = "bf16"
+    chunk_block: int = 2048
+    tuning: dict = dataclasses.field(default_factory=dict)
+    out: str | None = None  # None: default path
+    plot: str | None = None  # None: next to out; "none": no plot
+    command_line: str = ""
+
+    def __post_init__(self):
+        bad = [b for b in self.backends if b not in cases.ALL_BACKENDS]
+        if bad:
+            raise ValueError(f"unknown backends {bad}; choose from {cases.ALL_BACKENDS}")
+        if not self.ms or min(self.ms) < 1:
+            raise ValueError(f"M values must be >= 1, got {self.ms}")
+        if self.iters < 1 or self.warmup < 0 or self.input_sets < 1 or self.calls_per_sample < 1:
+            raise ValueError("need iters >= 1, warmup >= 0, input_sets >= 1, calls_per_sample >= 1")
+
+    def spec(self, backend: str) -> cases.CaseSpec:
+        return cases.CaseSpec(backend, self.shape, self.entry, self.mode, self.gemm_out, self.chunk_block, tuple(sorted(self.tuning.items())))
+
+    def out_path(self) -> str:
+        if self.out:
+            return self.out
+        name = f"{self.shape.name}_{self.entry}_{self.mode}_{device_tag()}.json"
+        return os.path.join(REPO_ROOT, "benchmarks", "results", name)
+
+    def plot_path(self) -> str | None:
+        if self.plot and self.plot.lower() == "none":
+            return None
+        return self.plot or os.path.splitext(self.out_path())[0] + ".png"
+
+
+def config_from_flags() -> RunConfig:
+    return RunConfig(
+        shape=shapes.get(FLAGS.shape, d=FLAGS.d, v=FLAGS.v, v_real=FLAGS.v_real),
+        ms=tuple(int(m) for m in FLAGS.m),
+        backends=tuple(FLAGS.backends),
+        entry=FLAGS.entry,
+        mode=FLAGS.mode,
+        warmup=FLAGS.warmup,
+        iters=FLAGS.iters,
+        calls_per_sample=FLAGS.calls_per_sample,
+        dtype=FLAGS.dtype,
+        seed=FLAGS.seed,
+        max_seconds_per_case=FLAGS.max_seconds_per_case,
+        hbm_tbps=FLAGS.hbm_tbps,
+        peak_tflops=FLAGS.peak_tflops,
+        input_sets=FLAGS.input_sets,
+        gemm_out=FLAGS.gemm_out,
+        chunk_block=FLAGS.chunk_block,
+        tuning=json.loads(FLAGS.tuning) if FLAGS.tuning else {},
+        out=FLAGS.out,
+        plot=FLAGS.plot,
+        command_line=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+    )
+
+
+# --- environment ------------------------------------------------------------------------
+
+
+def device_tag() -> str:
+    kind = getattr(jax.devices()[0], "device_kind", jax.devices()[0].platform)
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "device"
+
+
+def _git_commit() -> str | None:
+    """HEAD's sha, '+dirty' when tracked files are modified; None outside a git checkout."""
+    try:
+        def git(*args):
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+
+        head = git("rev-parse", "--verify", "HEAD")
+        sha = head.stdout.strip()
+        if head.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40}", sha):
+            return None
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except Exception:
+        return None
+
+
+def environment(cfg: RunConfig) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "platform": dev.platform,
+        "device_kind": getattr(dev, "device_kind", dev.platform),
+        "device_count": jax.device_count(),
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "numpy_version": np.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command_line": cfg.command_line,
+        "git_commit": _git_commit(),
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+        "available_backends": list(detlogp_backends.available()),
+        "contract_id": contract.CONTRACT_ID,
+    }
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def make_weight(cfg: RunConfig) -> jax.Array:
+    """W [V_rows, D] ~ N(0, (3/sqrt(D))^2): logits of std ~3 for unit hidden."""
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0)
+    s = cfg.shape
+    w = jax.random.normal(key, (s.v_rows, s.d), jnp.float32) * (3.0 / np.sqrt(s.d))
+    return w.astype(DTYPES[cfg.dtype])
+
+
+def make_inputs(cfg: RunConfig, m: int) -> list[tuple[jax.Array, jax.Array]]:
+    """`input_sets` (hidden [M, D], targets [M]) pairs; identical for every backend at this M."""
+    out = []
+    for i in range(cfg.input_sets):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1 + i), m)
+        kh, kt = jax.random.split(key)
+        h = jax.random.normal(kh, (m, cfg.shape.d), jnp.float32).astype(DTYPES[cfg.dtype])
+        t = jax.random.randint(kt, (m,), 0, cfg.shape.v_real, jnp.int32)
+        out.append((h, t))
+    return out
+
+
+# --- one case -------------------------------------------------------------------------------
+
+
+class _ProbeCache:
+    """The M=1 executable of each backend, for the batch-invariance probe."""
+
+    def __init__(self):
+        self._compiled = {}
+
+    def get(self, backend, fn, args):
+        if backend not in self._compiled:
+            self._compiled[backend] = timing.compile_case(fn, args)[0]
+        return self._compiled[backend]
+
+    def put(self, backend, compiled):
+        self._compiled.setdefault(backend, compiled)
+
+
+def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _ProbeCache) -> tuple[CaseResult, dict]:
+    """Compiles, times and probes one (backend, M). Returns (result, small per-row outputs)."""
+    spec = cfg.spec(backend)
+    fn = cases.build(spec)
+    arg_sets = [(h, weight, t) for h, t in inputs]
+    h0, t0 = inputs[0]
+    why = cases.unsupported_reason(backend, h0, weight)
+    if why:
+        return CaseResult(backend, m, "skipped", note=why), {}
+
+    compiled, compile_s = timing.compile_case(fn, arg_sets[0])
+    if m == 1:
+        probes.put(backend, compiled)
+    tm, first = timing.time_case(
+        compiled, arg_sets, warmup=cfg.warmup, iters=cfg.iters,
+        budget_s=cfg.max_seconds_per_case, calls_per_sample=cfg.calls_per_sample,
+    )
+
+    again = compiled(*arg_sets[0])
+    run_to_run = "bitwise-identical" if timing.same_bytes(first, again) else "differs"
+    del again
+
+    p = m // 2
+    h1, t1 = timing.row_inputs(h0, t0, p)
+    alone = probes.get(backend, fn, (h1, weight, t1))(h1, weight, t1)
+    det = timing.compare_rows(first, alone, p, cases.FORWARD_ROW_FIELDS)
+    grad_det = timing.compare_rows(first, alone, p, cases.GRAD_ROW_FIELDS)
+    del alone
+
+    sec = tm.median_ms / 1e3
+    flops = cases.flops(spec, m)
+    nbytes = timing.tree_nbytes(arg_sets[0]) + timing.tree_nbytes(first)
+    rows = {f: np.asarray(first[f]) for f in ("logp", "lse") if f in first}
+    del first
+    result = CaseResult(
+        backend, m, "ok",
+        median_ms=tm.median_ms, min_ms=tm.min_ms, max_ms=tm.max_ms, times_ms=tm.times_ms,
+        warmup_done=tm.warmup_done, truncated=tm.truncated, compile_s=compile_s,
+        flops=flops, bytes_moved=nbytes, tflops=flops / sec / 1e12, tbps=nbytes / sec / 1e12,
+        compiled_memory=timing.compiled_memory(compiled), device_memory=timing.device_memory(),
+        determinism=timing.summarize(det, trivial=m == 1), determinism_detail=det,
+        grad_determinism=timing.summarize(grad_det, trivial=m == 1), grad_determinism_detail=grad_det,
+        run_to_run=run_to_run,
+    )
+    return result, rows
+
+
+def _predicted_skip(cfg: RunConfig, last: CaseResult | None, m: int) -> str | None:
+    """Skip a larger M when the last M's time, scaled linearly, would blow the guard."""
+    if last is None or last.median_ms is None or m <= last.m:
+        return None
+    per_call = last.median_ms / 1e3 * m / last.m
+    if per_call * 3 > cfg.max_seconds_per_case:  # first warmup + one timed call + the re-run
+        return f"predicted {per_call:.1f} s/call at M={m} exceeds --max_seconds_per_case={cfg.max_seconds_per_case:g}"
+    return None
+
+
+def _log(t_start: float, msg: str) -> None:
+    print(f"[{time.perf_counter() - t_start:8.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _progress_line(i: int, n: int, r: CaseResult) -> str:
+    head = f"({i}/{n}) {r.backend:<11} M={r.m:<6}"
+    if r.status != "ok":
+        return f"{head} {r.status}: {r.note}"
+    return (
+        f"{head} median {r.median_ms:9.4f} ms  [{r.min_ms:.4f}, {r.max_ms:.4f}]  {r.tflops:7.2f} TFLOP/s  "
+        f"compile {r.compile_s:.1f}s  {r.determinism}" + (" [truncated]" if r.truncated else "")
+    )
+
+
+# --- the sweep ------------------------------------------------------------------------------
+
+
+def floors(cfg: RunConfig) -> list[dict]:
+    spec = cfg.spec("xla")
+    item = jnp.dtype(DTYPES[cfg.dtype]).itemsize
+    return [
+        {
+            "m": m,
+            "hbm_floor_ms": cases.min_bytes(spec, m, item) / (cfg.hbm_tbps * 1e12) * 1e3,
+            "compute_floor_ms": cases.flops(spec, m) / (cfg.peak_tflops * 1e12) * 1e3,
+        }
+        for m in cfg.ms
+    ]
+
+
+def run(cfg: RunConfig) -> dict:
+    """Runs the sweep; returns the JSON document (nothing written)."""
+    t_start = time.perf_counter()
+    skipped_backends = {b: r for b in cfg.backends if (r := cases.unavailable_reason(b))}
+    for b, r in skipped_backends.items():
+        _log(t_start, f"skipping backend {b}: {r}")
+    todo = [b for b in cfg.backends if b not in skipped_backends]
+    s = cfg.shape
+    _log(t_start, f"shape {s.name}: D={s.d} V_rows={s.v_rows} V_real={s.v_real} {cfg.dtype}; entry={cfg.entry} mode={cfg.mode}; "
+         f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}")
+    weight = make_weight(cfg)
+    results, rows, last = [], {}, {}
+    probes = _ProbeCache()
+    n, i = len(cfg.ms) * len(todo), 0
+    for m in cfg.ms:
+        inputs = make_inputs(cfg, m)
+        for backend in todo:
+            i += 1
+            why = _predicted_skip(cfg, last.get(backend), m)
+            if why:
+                r, case_rows = CaseResult(backend, m, "skipped", note=why), {}
+            else:
+                try:
+                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes)
+                except Exception as e:  # OOM, lowering errors, ...: record and go on
+                    msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                    r, case_rows = CaseResult(backend, m, "error", note=msg), {}
+            if r.status == "ok":
+                last[backend] = r
+            rows[(backend, m)] = case_rows
+            results.append(r)
+            _log(t_start, _progress_line(i, n, r))
+        del inputs
+    report.fill_cross_backend(results, rows)
+    return {
+        "schema": report.SCHEMA,
+        "environment": environment(cfg),
+        "config": {
+            **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("shape", "command_line")},
+            "out": cfg.out_path(),
+            "plot": cfg.plot_path(),
+        },
+        "shape": dataclasses.asdict(cfg.shape),
+        "floors": floors(cfg),
+        "skipped_backends": skipped_backends,
+        "cases": [r.as_dict() for r in results],
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def execute(cfg: RunConfig) -> dict:
+    """Runs the sweep, writes the JSON (and the plot), prints the table. Returns the document."""
+    doc = run(cfg)
+    results = [CaseResult(**c) for c in doc["cases"]]
+    report.write_json(doc, cfg.out_path())
+    plot_path = cfg.plot_path()
+    if plot_path and results:
+        env = doc["environment"]
+        s = cfg.shape
+        title = f"{s.name} (D={s.d}, V={s.v_rows}/{s.v_real}) {cfg.dtype} {cfg.entry} {cfg.mode} on {env['device_kind']}"
+        report.plot(results, doc["floors"], plot_path, title, cfg.hbm_tbps, cfg.peak_tflops)
+    print(report.format_table(results))
+    for b, r in doc["skipped_backends"].items():
+        print(f"skipped backend {b}: {r}")
+    print(f"wrote {cfg.out_path()}" + (f" and {plot_path}" if plot_path else "") + f" ({doc['wall_s']:.1f} s)")
+    return doc
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep stderr to the progress lines
+    execute(config_from_flags())
+
+
+if __name__ == "__main__":
+    app.run(main)

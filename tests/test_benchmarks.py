@@ -1,0 +1,154 @@
+"""End-to-end smoke test of the benchmark runner on CPU (tiny shape)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import baselines, cases, run, shapes
+from detlogp_jax import xla_backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("reference", "xla", "xla_chunked", "gemm")
+MS = (1, 8)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two sweeps, overlapped to use both CPU cores:
+    the CLI as a subprocess (trainer entry, forward) and, meanwhile, the runner
+    in process (serving entry = return_logits=True, with the backward)."""
+    d = tmp_path_factory.mktemp("bench")
+    out, png = d / "trainer_fwd.json", d / "trainer_fwd.png"
+    cmd = [
+        sys.executable, "-m", "benchmarks.run", "--shape=tiny", f"--m={','.join(map(str, MS))}",
+        f"--backends={','.join(BACKENDS)}", "--warmup=1", "--iters=2", "--entry=trainer", "--mode=fwd",
+        f"--out={out}", f"--plot={png}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cfg = run.RunConfig(
+            shape=shapes.get("tiny"), ms=MS, backends=BACKENDS, entry="serving", mode="fwd_bwd",
+            warmup=1, iters=2, out=str(d / "serving_fwd_bwd.json"), plot=str(d / "serving_fwd_bwd.png"),
+        )
+        serving = run.execute(cfg)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    return {"cli": (json.loads(out.read_text()), png, stdout, stderr), "serving": (serving, cfg)}
+
+
+@pytest.fixture(scope="module")
+def trainer_fwd(runs):
+    return runs["cli"]
+
+
+@pytest.fixture(scope="module")
+def serving_fwd_bwd(runs):
+    return runs["serving"]
+
+
+def _cases(doc):
+    return {(c["backend"], c["m"]): c for c in doc["cases"]}
+
+
+def _check_structure(doc):
+    assert doc["schema"] == "detlogp-bench/1"
+    env = doc["environment"]
+    for key in ("device_kind", "platform", "jax_version", "command_line", "available_backends"):
+        assert key in env
+    assert doc["shape"] == {"name": "tiny", "d": 64, "v_real": 1000, "v_rows": 1024, "note": shapes.SHAPES["tiny"].note}
+    assert [f["m"] for f in doc["floors"]] == list(MS)
+    got = _cases(doc)
+    assert set(got) == {(b, m) for b in BACKENDS for m in MS}
+    for (backend, m), c in got.items():
+        assert c["status"] == "ok", c
+        assert len(c["times_ms"]) == 2 and c["warmup_done"] == 1
+        assert 0 < c["min_ms"] <= c["median_ms"] <= c["max_ms"]
+        assert c["tflops"] > 0 and c["tbps"] > 0 and c["bytes_moved"] > 0
+        assert c["compiled_memory"]["temp_bytes"] is not None
+        assert c["time_vs_xla"] == pytest.approx(c["median_ms"] / got[("xla", m)]["median_ms"])
+        assert c["run_to_run"] == "bitwise-identical"
+        assert c["determinism"].startswith(("bitwise-invariant", "drift"))
+    return got
+
+
+def test_cli_trainer_fwd(trainer_fwd):
+    doc, png, stdout, stderr = trainer_fwd
+    got = _check_structure(doc)
+    assert png.exists() and png.stat().st_size > 1000
+    assert "median_ms" in stdout and "xla_chunked" in stdout  # the printed table
+    assert "M=8" in stderr  # progress lines
+    assert doc["config"]["entry"] == "trainer" and doc["config"]["mode"] == "fwd"
+    for m in MS:
+        c = got[("xla_chunked", m)]
+        assert c["lse_max_abs_diff_vs_xla"] < 1e-4 and c["logp_max_abs_diff_vs_xla"] < 1e-4
+        ref = got[("reference", m)]
+        assert ref["determinism"].startswith("bitwise-invariant")
+        assert set(ref["determinism_detail"]) == {"logp", "lse"}
+        assert got[("gemm", m)]["lse_max_abs_diff_vs_xla"] is None
+        assert got[("xla", m)]["flops"] == 2 * m * 64 * 1024
+
+
+def test_serving_fwd_bwd(serving_fwd_bwd):
+    doc, cfg = serving_fwd_bwd
+    got = _check_structure(doc)
+    assert os.path.getsize(cfg.plot_path()) > 1000
+    with open(cfg.out_path()) as f:
+        assert json.load(f)["cases"] == json.loads(json.dumps(doc["cases"]))
+    for m in MS:
+        assert got[("xla_chunked", m)]["lse_max_abs_diff_vs_xla"] < 1e-4
+        ref = got[("reference", m)]
+        assert ref["determinism"].startswith("bitwise-invariant")
+        assert set(ref["determinism_detail"]) == {"logp", "lse", "logits"}
+        assert ref["grad_determinism"] is not None and "d_hidden" in ref["grad_determinism_detail"]
+        assert got[("xla", m)]["flops"] == 6 * m * 64 * 1024
+
+
+def test_chunked_baseline_matches_xla(v_rows=1000, vocab=900, block=256):
+    """Shifted last block, padding rows and ignore_index, vs the materialized XLA lane."""
+    kh, kw, kt = jax.random.split(jax.random.PRNGKey(1), 3)
+    h = jax.random.normal(kh, (5, 32), jnp.float32)
+    w = jax.random.normal(kw, (v_rows, 32), jnp.float32) * 0.5
+    t = jax.random.randint(kt, (5,), 0, vocab).at[2].set(-100)
+    chunked = jax.jit(lambda h, w, t: baselines.chunked_logp(h, w, t, vocab_size=vocab, inv_t=0.7, block=block, return_logits=True))
+    logp, lse, logits = chunked(h, w, t)
+    inv_t = jnp.full((5,), 0.7, jnp.float32)
+    xla = jax.jit(lambda h, w, t: xla_backend.forward(h, w, None, t, inv_t, vocab_size=vocab, return_logits=True))
+    ref_logp, ref_lse, ref_logits = xla(h, w, t)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logp, ref_logp, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4)
+    assert float(logp[2]) == 0.0
+
+
+def test_shapes():
+    assert (shapes.get("qwen3_8b").v_rows, shapes.get("qwen3_8b").v_real) == (152064, 151936)
+    assert shapes.get("llama3_8b").v_rows == 128512
+    assert shapes.get("gpt_oss").v_rows == 201216 and shapes.get("gpt_oss").d == 2880
+    assert shapes.get("gemma3").v_rows == 262144
+    custom = shapes.get("custom", d=128, v_real=1000)
+    assert (custom.d, custom.v_rows, custom.v_real) == (128, 1024, 1000)
+    with pytest.raises(ValueError):
+        shapes.get("custom", d=128)
+
+
+def test_guard_skips_predicted_slow_cases():
+    cfg = run.RunConfig(shape=shapes.get("tiny"), ms=(1, 1024), max_seconds_per_case=1.0)
+    last = run.CaseResult("reference", 1, "ok", median_ms=1.0)
+    assert run._predicted_skip(cfg, last, 1024) is not None
+    assert run._predicted_skip(cfg, last, 8) is None
+    assert run._predicted_skip(cfg, None, 1024) is None
+
+
+def test_unknown_backend_rejected():
+    with pytest.raises(ValueError):
+        cases.CaseSpec("nope", shapes.get("tiny"))
