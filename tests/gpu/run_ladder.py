@@ -315,7 +315,7 @@ if DRY:
 def stage_a2(rec):
   ok = True
   for name, n, d, v, vp, bias, row_t in SMALL:
-    w = qwen_w() if d == D else rnd((v, d), scale=2.0 / np.sqrt(d))
+    w = qwen_w() if (d, v) == (D, V) else rnd((v, d), scale=2.0 / np.sqrt(d))
     b = rnd((v,), jnp.float32) if bias else None
     h = rnd((n, d))
     t = targets_for(n, v, n + v)
