@@ -187,6 +187,12 @@ def _impl(hidden, weight, bias, targets, inv_t, cfg):
     return _core(hidden, weight, bias, targets, inv_t, cfg)
 
 
+@functools.partial(jax.jit, static_argnums=(5,))
+def _impl_autodiff(hidden, weight, bias, targets, inv_t, cfg):
+    """Non-contract lanes (the XLA baseline) differentiate through plain autodiff."""
+    return _serve(hidden, weight, bias, targets, inv_t, cfg)
+
+
 def _row_bucket(n: int) -> int:
     """Compile-size bucket for eager reference calls (bit-neutral: rows are independent)."""
     if n <= 8:
@@ -249,7 +255,8 @@ def linear_logp(
     if be.name == "reference" and _is_concrete(hidden):
         pad = _row_bucket(n) - n
     h2, t2, inv_t = _prepare(hidden, targets, temperature, pad)
-    logp, lse, logits = _impl(h2, weight, bias, t2, inv_t, cfg)
+    impl = _impl if be.contract_bearing else _impl_autodiff
+    logp, lse, logits = impl(h2, weight, bias, t2, inv_t, cfg)
     return LogpOutput(*_finish(logp, lse, logits, lead))
 
 

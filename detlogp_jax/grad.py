@@ -8,7 +8,8 @@ ascending order with a fixed shape, so two runs give identical bytes; the
 backward is deterministic but not part of the frozen contract. Rows with
 target == ignore_index (or a bad target) get no logp gradient; lse keeps its
 own. The clamp min(d, 0) is treated as the identity (d > 0 only by rounding).
-Temperature gets no gradient.
+Temperature gets no gradient. For bf16/f16 models the gradient GEMMs take dz
+rounded to the model dtype (f32 accumulation); f32 models stay in f32.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
     v_rows = weight.shape[0]
     chunk, n_chunks = _chunking(v_rows, chunk)
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
+    # f32 models keep f32 GEMMs; bf16/f16 models run the two gradient GEMMs on
+    # dz rounded to their dtype with f32 accumulation (the usual mixed precision).
+    gemm_dtype = jnp.float32 if hidden.dtype == jnp.float32 else hidden.dtype
     live = (targets >= 0) & (targets < vocab_size)
     g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)
     g_lse = g_lse.astype(jnp.float32)
@@ -57,14 +61,14 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
         dz = inv_t[:, None] * (g_lse[:, None] * p + g_logp[:, None] * (onehot.astype(jnp.float32) - p))
         if g_full is not None:
             dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
-        dz = jnp.where(fresh[None, :], dz, 0.0)
-        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-        dw_c = jnp.einsum("nv,nd->vd", dz, hidden.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        dz = jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
+        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c.astype(gemm_dtype), preferred_element_type=jnp.float32, precision=prec)
+        dw_c = jnp.einsum("nv,nd->vd", dz, hidden.astype(gemm_dtype), preferred_element_type=jnp.float32, precision=prec)
         prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
         dw = lax.dynamic_update_slice_in_dim(dw, (prev.astype(jnp.float32) + dw_c).astype(dw.dtype), start, axis=0)
         if db is not None:
             prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
-            db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz, axis=0), start, axis=0)
+            db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
         return (dh, dw, db), None
 
     init = (
