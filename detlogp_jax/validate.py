@@ -413,9 +413,10 @@ def run_validation(config: ValidateConfig) -> dict[str, Any]:
 
     # ---------------- REPORT ----------------
     main_be = rec.records.get("trainer", {}).get("backend")
+    main_lane = "contract" if rec.records.get("trainer", {}).get("contract_bearing") else "main (non-contract)"
     rows = [
-        dict(lane="contract", backend=main_be, check="(a) operator: rollout hidden states", **compare_logp(logp_roll, logp_a)),
-        dict(lane="contract", backend=main_be, check="(b) end to end: trainer's own forward", **compare_logp(logp_roll, logp_b)),
+        dict(lane=main_lane, backend=main_be, check="(a) operator: rollout hidden states", **compare_logp(logp_roll, logp_a)),
+        dict(lane=main_lane, backend=main_be, check="(b) end to end: trainer's own forward", **compare_logp(logp_roll, logp_b)),
     ]
     if cfg.baseline:
         rows += [
@@ -487,6 +488,7 @@ def run_validation(config: ValidateConfig) -> dict[str, Any]:
         "tool": "detlogp_jax.validate",
         "command": cfg.command or f"run_validation({_config_repr(cfg)})",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git_rev": _git_rev(),
         "platform": {**info, "n_devices": jax.device_count(), "jax_version": jax.__version__},
         "config": {**dataclasses.asdict(cfg), "preset": preset},
         "model": {
@@ -520,6 +522,21 @@ def run_validation(config: ValidateConfig) -> dict[str, Any]:
     return report
 
 
+def _git_rev() -> str | None:
+    """Short commit of the checkout this module runs from (+ "-dirty"), or None."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return None
+
+
 def _config_repr(cfg: ValidateConfig) -> str:
     default = ValidateConfig()
     parts = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
@@ -548,7 +565,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         report["command"],
         "```",
         "",
-        f"Date (UTC): {report['date_utc']}; JAX {report['platform']['jax_version']}; "
+        f"Date (UTC): {report['date_utc']}; code {report.get('git_rev') or 'unknown'}; JAX {report['platform']['jax_version']}; "
         f"platform {report['platform']['platform']} ({report['platform']['n_devices']} device(s)).",
         "",
         f"Model: random toy NNX decoder LM, D={m['d_model']}, vocab {m['vocab_size']} (padded {m['padded_vocab_size']}), "
