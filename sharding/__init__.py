@@ -1,0 +1,28 @@
+"""Tensor (vocab) and context/data (row) parallelism for `linear_logp`.
+
+See `docs/TENSOR_PARALLEL.md`. Entry points:
+
+* `linear_logp_tp(hidden, weight, targets, *, mesh, tp_axis="tp", row_axes=(), ...)`
+  - global arrays in, global arrays out (runs its own `jax.shard_map`);
+* `linear_logp_local(...)` - differentiable, inside the caller's shard_map;
+* `tp_partials_and_fold(...)` - the non-differentiable forward, inside shard_map;
+* `check_tp_geometry(V_pad, tp, vocab_size)` and `assemble_shards(...)`.
+"""
+
+from sharding.tp import (
+    TPConfig,
+    assemble_shards,
+    check_tp_geometry,
+    linear_logp_local,
+    linear_logp_tp,
+    tp_partials_and_fold,
+)
+
+__all__ = [
+    "TPConfig",
+    "assemble_shards",
+    "check_tp_geometry",
+    "linear_logp_local",
+    "linear_logp_tp",
+    "tp_partials_and_fold",
+]
