@@ -25,6 +25,16 @@ from tests.conftest import assert_bitwise_equal
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
+from pallas_kernels.interpret_utils import row_invariant_wgmma  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _row_invariant_interpret_matmul():
+    """Interpret-mode wgmma is an OpenBLAS sgemm whose per-row result depends
+    on the row's position; use a row-invariant matmul model (see
+    pallas_kernels/interpret_utils.py) so batch invariance is testable."""
+    with row_invariant_wgmma():
+        yield
 
 
 def _races_found():

@@ -533,4 +533,9 @@ def main():
 
 
 if __name__ == "__main__":
+  if DRY:
+    from pallas_kernels.interpret_utils import row_invariant_wgmma
+
+    with row_invariant_wgmma():
+      sys.exit(main())
   sys.exit(main())

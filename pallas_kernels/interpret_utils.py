@@ -1,0 +1,42 @@
+"""Helpers for running the kernels in Mosaic GPU interpret mode (CPU tests).
+
+Interpret mode models `wgmma` as `acc + np.matmul(a, b, dtype=f32)`, i.e. an
+OpenBLAS sgemm whose summation order for a row depends on where the row sits
+in the block (and on threading), so interpret-mode logits are NOT batch
+invariant even though the kernel is. `row_invariant_wgmma()` swaps in a
+matmul whose value for an output element depends only on that element's
+operands (f64 accumulation of exact bf16 products, then one rounding to f32),
+so interpret tests can check the kernel's structural batch invariance. It
+changes nothing on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+
+class _NumpyWithRowInvariantMatmul:
+  """Proxies the numpy module; only `matmul` differs."""
+
+  def __getattr__(self, name):
+    return getattr(np, name)
+
+  @staticmethod
+  def matmul(a, b, dtype=None, **kw):
+    out = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64), **kw)
+    return out.astype(dtype if dtype is not None else np.float32)
+
+
+@contextlib.contextmanager
+def row_invariant_wgmma():
+  """Within the context, interpret-mode wgmma uses a row-invariant matmul."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  saved = gpu_callbacks.np
+  gpu_callbacks.np = _NumpyWithRowInvariantMatmul()
+  try:
+    yield
+  finally:
+    gpu_callbacks.np = saved
