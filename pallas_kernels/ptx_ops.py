@@ -17,6 +17,12 @@ two such objects:
   zero so XLA:CPU cannot contract or re-associate; XLA:CPU arithmetic is
   FTZ/DAZ, so the results equal the oracle's.
 
+Both also provide `exp_diff(a, b)` = pexp(fl(a - b)). On the GPU it is, by
+default, ONE straight-line PTX block per lane (`ptx_programs.PEXP_DIFF`, whose
+exact text is executed against the oracle by a numpy simulator in the CPU
+tests); that keeps the kernel IR ~10x smaller than emitting `numerics.pexp`
+op by op (`PtxOps(fused=False)`, kept for cross-checks; same bits).
+
 Exact operations (compare, select, max, integer shifts/adds, bitcasts) are
 used directly on register arrays; they need no pinning.
 """
@@ -46,8 +52,7 @@ def _lift_ptx(instr: str):
 
 def _lift_program(prog):
   """Per-register application of a `ptx_programs.Program` (one asm per element)."""
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # Lazy: lowering time only.
-  from jaxlib.mlir import ir
+  from jaxlib.mlir import ir  # Lazy: lowering time only.
   from jaxlib.mlir.dialects import llvm, vector
 
   text, cons = prog.ptx(), prog.constraints()
@@ -67,7 +72,6 @@ def _lift_program(prog):
       out = vector.insert(v, out, dynamic_position=[], static_position=pos)
     return out
 
-  del mgpu_utils
   return per_reg
 
 
