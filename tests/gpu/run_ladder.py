@@ -417,7 +417,10 @@ def stage_b2(rec):
       rec[f"M{m_rows}_{name}"] = bad
       ok &= not any(bad.values())
   fails = [k for k, v_ in rec.items() if isinstance(v_, dict) and any(v_.values())]
-  rec["brief"] = f"{sum(isinstance(v_, dict) for v_ in rec.values())} runs, failing: {fails}"
+  n_runs = sum(isinstance(v_, dict) for v_ in rec.values())
+  rec["brief"] = f"{n_runs} runs, failing: {fails}"
+  if n_runs == 0:  # nothing checked is not a pass
+    raise RuntimeError("no M of the sweep ran within the budget (raise LADDER_BUDGET_S)")
   return ok
 
 
