@@ -73,9 +73,14 @@ class XlaOps:
 
 
 def ftz(x):
-    """Flushes subnormals to sign-preserving zero (explicit; XLA:GPU does not)."""
-    tiny = jnp.asarray(C.F32_MIN_NORMAL, F32)
-    return jnp.where(jnp.abs(x) < tiny, jnp.copysign(jnp.zeros_like(x), x), x)
+    """Flushes subnormals to sign-preserving zero (explicit; XLA:GPU does not).
+
+    Exact integer ops only (a zero exponent field keeps just the sign bit), so
+    the same code lowers in Mosaic GPU kernels, where jnp.copysign does not.
+    """
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    is_sub = (bits & jnp.int32(0x7F800000)) == 0
+    return lax.bitcast_convert_type(jnp.where(is_sub, bits & jnp.int32(-0x80000000), bits), F32)
 
 
 def pexp(x, ops):

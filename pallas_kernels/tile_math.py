@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from detlogp_jax import contract as C
+from detlogp_jax import numerics
 
 F32 = jnp.float32
 NEG_INF = float("-inf")
@@ -76,38 +77,6 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool):
   return m_new, s_new, z_hit
 
 
-def ftz_bits(x):
-  """Sign-preserving flush of subnormals using exact integer ops only.
-
-  Same function as `numerics.ftz` (|x| < 2**-126 -> copysign(0, x)), written
-  without jnp.copysign, whose signbit -> bool conversion does not lower for
-  1-element registers in Mosaic GPU.
-  """
-  bits = lax.bitcast_convert_type(x, jnp.int32)
-  is_sub = (bits & jnp.int32(0x7F800000)) == 0
-  return lax.bitcast_convert_type(jnp.where(is_sub, bits & jnp.int32(-0x80000000), bits), F32)
-
-
-def plog(s, ops):
-  """The contract's log (oracle.plog), statement for statement as numerics.plog.
-
-  The only difference is the FTZ of the input, done with `ftz_bits` (exactly
-  equivalent); tests assert bitwise equality with oracle.plog.
-  """
-  f = lambda v: jnp.asarray(v, F32)
-  s = ftz_bits(s)
-  bits = lax.bitcast_convert_type(s, jnp.int32)
-  e = ((bits >> 23) & 0xFF) - 127
-  fr = lax.bitcast_convert_type((bits & 0x7FFFFF) | 0x3F800000, F32)
-  big = fr >= f(C.LOG_SQRT2)
-  fr = jnp.where(big, ops.mul(fr, f(0.5)), fr)
-  e = jnp.where(big, e + 1, e)
-  r = ops.sub(fr, f(1.0))
-  q = jnp.full_like(r, C.LOG_POLY[0])
-  for c in C.LOG_POLY[1:]:
-    q = ops.add(ops.mul(q, r), f(c))
-  ef = e.astype(F32)
-  lg = ops.add(ops.add(ops.mul(ef, f(C.LOG_LN2_LO)), ops.mul(r, q)), ops.mul(ef, f(C.LOG_LN2_HI)))
-  lg = jnp.where(s == 0, f(-jnp.inf), lg)
-  lg = jnp.where(s == jnp.inf, f(jnp.inf), lg)
-  return jnp.where((s < 0) | (s != s), f(jnp.nan), lg)
+# The contract's FTZ and log are shared with the XLA lane (same code, kernel ops).
+ftz_bits = numerics.ftz
+plog = numerics.plog
