@@ -85,3 +85,24 @@ def test_provenance_constants_complete():
     for key in ("TILE_V", "K_WALK", "SPLIT_POLICY", "TILE_TREE", "CHAIN", "FOLD_ORDER", "EXP", "LOG", "FTZ", "BIAS", "TEMPERATURE", "PADDING", "CLAMP"):
         assert key in consts
     C._self_check()
+
+
+def test_contract_doc_matches_code():
+    """docs/CONTRACT.md states every f32 constant's bits; a silent change of either fails."""
+    import os
+    import re
+
+    import numpy as np
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "CONTRACT.md")).read()
+    assert f"`{C.CONTRACT_ID}`" in doc
+    for name, values in (("EXP_POLY", C.EXP_POLY), ("LOG_POLY", C.LOG_POLY)):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
+        hexes = re.findall(r"0x[0-9A-F]{8}", row)
+        assert hexes == [f"0x{int(np.float32(v).view(np.uint32)):08X}" for v in values], name
+    for name in ("EXP_LOG2E", "EXP_LN2_HI", "EXP_LN2_LO", "LOG_SQRT2", "EXP_ROUND_MAGIC"):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
+        assert f"0x{int(np.float32(getattr(C, name)).view(np.uint32)):08X}" in row, name
+    for name in ("TILE_V", "TP_MAX", "TARGET_SPLITS", "IGNORE_INDEX", "EXP_CLAMP_LO", "EXP_K_MIN"):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
+        assert f"| {getattr(C, name):g} |".replace(".0 |", " |") in row.replace(".0 |", " |"), name
