@@ -66,7 +66,7 @@ flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak (TFLOP/s) for the comp
 flags.DEFINE_integer("input_sets", 2, "Input sets (hidden, targets) rotated across calls; the weight is shared.")
 flags.DEFINE_enum("gemm_out", "bf16", ["bf16", "f32"], "Output dtype of the GEMM-alone ceiling.")
 flags.DEFINE_integer("chunk_block", 2048, "xla_chunked: vocab rows per block.")
-flags.DEFINE_string("tuning", "", "JSON dict of bit-neutral knobs passed to linear_logp (e.g. '{\"block_m\": 128}').")
+flags.DEFINE_string("tuning", "", "JSON dict of bit-neutral knobs passed to linear_logp (e.g. '{\"bucket\": \"prefill\"}').")
 
 
 @dataclasses.dataclass

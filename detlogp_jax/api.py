@@ -145,7 +145,7 @@ def _inv_t(temperature, n_rows):
 
 def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
     be = backends.get(cfg.backend)
-    kw = dict(cfg.tuning)
+    kw = be.tuning_kwargs(cfg.tuning)
     if be.contract_bearing:
         m, s, z_t, owned, logits = be.partials(
             hidden, weight, bias, targets, inv_t,

@@ -48,6 +48,11 @@ class Backend:
     fold: Callable | None = None
     forward: Callable | None = None
     description: str = ""
+    knobs: frozenset = frozenset()  # the bit-neutral tuning knobs it applies
+
+    def tuning_kwargs(self, tuning) -> dict:
+        """The subset of bit-neutral `tuning` items this backend applies."""
+        return {k: v for k, v in dict(tuning or ()).items() if k in self.knobs}
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
@@ -158,6 +163,7 @@ def _reference() -> Backend:
         partials=reference.partials,
         fold=reference.fold,
         description="plain JAX, any platform; sequential K walk; bit-exact vs the oracle on its logits",
+        knobs=frozenset({"row_block"}),
     )
 
 
@@ -184,6 +190,7 @@ def _pallas_sm90() -> Backend:
         partials=mod.partials,
         fold=mod.fold,
         description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
+        knobs=frozenset({"bucket", "num_ctas"}),
     )
 
 

@@ -102,8 +102,13 @@ FROZEN_CONSTANTS: tuple[str, ...] = (
 )
 
 # Bit-neutral tuning knobs a backend may accept (rows per block, warps, stages...).
+# Each backend applies the ones it has (`Backend.knobs`) and ignores the others.
 BIT_NEUTRAL_KNOBS: frozenset[str] = frozenset(
-    {"block_m", "num_warps", "num_stages", "num_ctas", "row_block", "bucket", "max_concurrent_steps", "grid_tile_m"}
+    {
+        "row_block",  # reference: rows per lax.map block
+        "bucket",  # pallas_sm90: force a launch bucket ("decode", "small", "prefill")
+        "num_ctas",  # pallas_sm90: persistent CTA count
+    }
 )
 
 _ENV_PREFIX = "DETLOGP_"

@@ -103,6 +103,7 @@ def partials(
     col_offset: int = 0,
     shard_cols: int | None = None,
     return_logits: bool = False,
+    row_block: int | None = None,
 ):
     """Split partials of the contract for rows of `hidden` against `weight`.
 
@@ -132,7 +133,7 @@ def partials(
     h32 = numerics.ftz(hidden.astype(jnp.float32))
     zero = numerics.opaque_zero(hidden, weight, bias, targets, inv_t)
 
-    n_blocks = max(1, -(-n_rows // ROW_BLOCK))
+    n_blocks = max(1, -(-n_rows // (row_block or ROW_BLOCK)))
     rb = max(1, -(-n_rows // n_blocks))
     pad = n_blocks * rb - n_rows
     hp = jnp.pad(h32, ((0, pad), (0, 0)))

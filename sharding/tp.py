@@ -122,7 +122,7 @@ def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offs
     `lax.switch` to one branch per rank; each branch calls `partials` with its
     own static `col_offset = r * shard`, so backends may specialise on it.
     """
-    kw = dict(cfg.tuning)
+    kw = be.tuning_kwargs(cfg.tuning)
 
     def call(col_offset, h, w, b, t, it):
         return be.partials(

@@ -264,3 +264,12 @@ def test_trainer_path_never_allocates_n_by_v():
     # the XLA baseline does materialize it (the check can tell the difference)
     fx = jax.jit(lambda h, w, t: dl.linear_logp(h, w, t, vocab_size=vocab, backend="xla")[:2])
     assert fx.lower(h, w, t).compile().memory_analysis().temp_size_in_bytes >= logits_bytes
+
+
+def test_bit_neutral_knobs_apply_per_backend_and_change_no_bits():
+    h, w, t = _data(n=10)
+    base = dl.linear_logp(h, w, t, vocab_size=VOCAB, backend="reference")
+    for tuning in ({"row_block": 3}, {"row_block": 7}, {"bucket": "decode", "num_ctas": 4}):
+        out = dl.linear_logp(h, w, t, vocab_size=VOCAB, backend="reference", tuning=tuning)
+        assert_bitwise_equal(out.logp, base.logp, f"logp with {tuning}")
+        assert_bitwise_equal(out.lse, base.lse, f"lse with {tuning}")

@@ -77,7 +77,9 @@ def test_overrides_raise():
         C.check_no_overrides({"n_split": 8})
     with pytest.raises(C.ContractError, match="DETLOGP_TILE_V"):
         C.check_no_overrides(environ={"DETLOGP_TILE_V": "128"})
-    C.check_no_overrides({"block_m": 128}, environ={"DETLOGP_STRICT": "1"})
+    C.check_no_overrides({"bucket": "decode", "row_block": 8}, environ={"DETLOGP_STRICT": "1"})
+    with pytest.raises(C.ContractError, match="unknown tuning option"):
+        C.check_no_overrides({"block_m": 128})  # not a knob any backend applies
 
 
 def test_provenance_constants_complete():
