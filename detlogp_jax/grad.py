@@ -10,6 +10,10 @@ target == ignore_index (or a bad target) get no logp gradient; lse keeps its
 own. The clamp min(d, 0) is treated as the identity (d > 0 only by rounding).
 Temperature gets no gradient. For bf16/f16 models the gradient GEMMs take dz
 rounded to the model dtype (f32 accumulation); f32 models stay in f32.
+
+Documented accuracy against float64 autodiff of the materialized math (tests in
+tests/test_api_guards.py): relative Frobenius error per tensor (hidden, weight,
+bias) < 1e-5 with f32 inputs (also at the Qwen3 vocab), < 1e-2 with bf16 inputs.
 """
 
 from __future__ import annotations

@@ -273,3 +273,26 @@ def test_bit_neutral_knobs_apply_per_backend_and_change_no_bits():
         out = dl.linear_logp(h, w, t, vocab_size=VOCAB, backend="reference", tuning=tuning)
         assert_bitwise_equal(out.logp, base.logp, f"logp with {tuning}")
         assert_bitwise_equal(out.lse, base.lse, f"lse with {tuning}")
+
+
+def test_gradients_qwen_size_vocab_match_float64():
+    """Qwen3 vocab (151936 real, 152064 padded rows) at small D: logp and lse gradients."""
+    rng = np.random.default_rng(12)
+    n, d, v_pad, vocab = 5, 16, 152064, 151936
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    w = (rng.standard_normal((v_pad, d)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal(v_pad) * 0.1).astype(np.float32)
+    t = np.array([0, vocab - 1, -100, 75000, 151935], np.int32)
+    g_lp = rng.standard_normal(n).astype(np.float32)
+    g_lse = rng.standard_normal(n).astype(np.float32)
+
+    def loss(h, w, b):
+        out = dl.linear_logp(h, w, t, bias=b, temperature=1.3, vocab_size=vocab, backend="reference")
+        return jnp.sum(out.logp * g_lp) + jnp.sum(out.lse * g_lse)
+
+    got = jax.grad(loss, argnums=(0, 1, 2))(h, w, b)
+    want = _f64_loss_grads(h, w, b, t, 1.3, vocab, g_lp, g_lse)
+    for g, e in zip(got, want):
+        g = np.asarray(g, np.float64)
+        assert np.linalg.norm(g - e) / np.linalg.norm(e) < 1e-5
+    assert np.abs(np.asarray(got[1])[vocab:]).max() == 0 and np.abs(np.asarray(got[2])[vocab:]).max() == 0
