@@ -643,8 +643,8 @@ def _define_flags():
 
     flags.DEFINE_enum("backend", "auto", ["auto", "reference", "pallas_sm90", "xla"], "Backend of the contract lane.")
     flags.DEFINE_enum("preset", None, sorted(PRESETS), "Model preset (default: small on CPU, qwen3_8b on GPU).")
-    flags.DEFINE_integer("batch", 16, "Sequences (rollout rows per decode step).")
-    flags.DEFINE_integer("steps", 32, "Decode steps (sampled tokens per sequence).")
+    flags.DEFINE_integer("batch", None, "Sequences (rollout rows per decode step; default 64 on GPU, 16 on CPU).")
+    flags.DEFINE_integer("steps", None, "Decode steps (sampled tokens per sequence; default 128 on GPU, 32 on CPU).")
     flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (needs sharding.linear_logp_tp for > 1).")
     flags.DEFINE_float("temperature", 1.0, "Sampling temperature (also the op's temperature).")
     flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
@@ -665,11 +665,14 @@ def main(argv):
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     command = " ".join(["python", "-m", "detlogp_jax.validate"] + [shlex.quote(a) for a in sys.argv[1:]])
+    import jax
+
+    on_gpu = jax.devices()[0].platform == "gpu"
     cfg = ValidateConfig(
         backend=FLAGS.backend,
         preset=FLAGS.preset,
-        batch=FLAGS.batch,
-        steps=FLAGS.steps,
+        batch=FLAGS.batch or (64 if on_gpu else 16),
+        steps=FLAGS.steps or (128 if on_gpu else 32),
         tp=FLAGS.tp,
         temperature=FLAGS.temperature,
         top_k=FLAGS.top_k,
