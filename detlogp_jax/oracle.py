@@ -46,6 +46,27 @@ def f_div(a, b):
         return ftz(ftz(a) / ftz(b))
 
 
+def f_fma(a, b, c):
+    """Exact binary32 fused multiply-add fl(a*b + c) (one rounding), FTZ.
+
+    NOT used by the contract (which has no FMA); it models what a compiler
+    that contracts `a*b + c` would compute, so tests can show that contraction
+    changes bits and would be caught. a*b is exact in float64; the float64 sum
+    is made round-to-odd (TwoSum error term, then a nudge of an even result
+    toward the error), which makes the final rounding to binary32 correct.
+    """
+    a, b, c = (ftz(np.asarray(v, F32)).astype(np.float64) for v in (a, b, c))
+    with np.errstate(all="ignore"):
+        p = a * b
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
+        even = (s.view(np.int64) & 1) == 0
+        nudge = (err != 0) & even & np.isfinite(s)
+        s = np.where(nudge, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return ftz(s.astype(F32))
+
+
 def _bits(x):
     return np.asarray(x, dtype=F32).view(np.int32)
 

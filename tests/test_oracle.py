@@ -146,3 +146,42 @@ def test_oracle_padding_and_targets():
     lp2, lse2 = O.logp_lse(z2, t, vocab_size=100, padded_vocab_size=192)
     assert (bits(lp[:3]) == bits(lp2[:3])).all() and (bits(lse) == bits(lse2)).all()
     assert lp[2] == 0.0 and np.isnan(lp[3]) and np.isfinite(lse).all()
+
+
+def test_fma_emulation_matches_exact_rationals():
+    rng = np.random.default_rng(5)
+    a, b, c = (_samples(rng, 300) for _ in range(3))
+    c = rng.permutation(c)
+    # hard cases: c cancels most of a*b, so the low product bits decide the rounding
+    a2 = rng.standard_normal(2000).astype(F32)
+    b2 = rng.standard_normal(2000).astype(F32)
+    c2 = (-(a2.astype(np.float64) * b2)).astype(F32)
+    for x, y, z in ((a, b, c), (a2, b2, c2)):
+        got = O.f_fma(x, y, z)
+        for xi, yi, zi, gi in zip(x, y, z, got):
+            xf, yf, zf = (Fraction(float(O.ftz(v))) for v in (xi, yi, zi))
+            want = round_f32_ftz(xf * yf + zf)
+            if want == 0 and gi == 0:
+                continue
+            assert bits(gi) == bits(want), (xi, yi, zi, gi, want)
+
+
+def test_contraction_would_change_the_exp_and_be_caught():
+    """Negative control: an exp whose Horner steps were contracted into FMAs (what
+    LLVM does to XLA code without the pin) differs from the contract's pexp."""
+    x = -np.random.default_rng(6).uniform(0, 20, 20000).astype(F32)
+
+    def pexp_fma(x):
+        xc = np.maximum(x, F32(C.EXP_CLAMP_LO)).astype(F32)
+        t = O.f_mul(xc, F32(C.EXP_LOG2E))
+        tm = O.f_add(t, F32(C.EXP_ROUND_MAGIC))
+        k = O.f_sub(tm, F32(C.EXP_ROUND_MAGIC))
+        ki = tm.view(np.int32) - np.int32(C.EXP_ROUND_MAGIC_BITS)
+        r = O.f_fma(-k, F32(C.EXP_LN2_LO), O.f_fma(-k, F32(C.EXP_LN2_HI), xc))
+        p = np.full_like(r, F32(C.EXP_POLY[0]))
+        for c in C.EXP_POLY[1:]:
+            p = O.f_fma(p, r, F32(c))
+        return (p.view(np.int32) + (ki << np.int32(23))).view(F32)
+
+    differ = (bits(pexp_fma(x)) != bits(O.pexp(x))).mean()
+    assert differ > 0.05, differ  # a contracted program is visibly not the contract
