@@ -82,24 +82,28 @@ def _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_voc
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {hidden.shape[:-1]}")
     v_rows = weight.shape[0]
-    vocab = v_rows if vocab_size is None else vocab_size
-    if not isinstance(vocab, numbers.Integral) or isinstance(vocab, bool):
-        raise TypeError(f"vocab_size must be a static int, got {type(vocab).__name__}")
-    vocab = int(vocab)
-    if not 1 <= vocab <= v_rows:
-        raise ValueError(f"vocab_size must be in [1, weight rows = {v_rows}], got {vocab}")
-    padded = max(v_rows, vocab) if padded_vocab_size is None else padded_vocab_size
-    if not isinstance(padded, numbers.Integral) or isinstance(padded, bool):
-        raise TypeError(f"padded_vocab_size must be a static int, got {type(padded).__name__}")
-    padded = int(padded)
-    if padded < v_rows:
-        raise ValueError(f"padded_vocab_size {padded} is smaller than the weight's {v_rows} rows")
+    vocab, padded = _vocab_sizes(v_rows, vocab_size, padded_vocab_size)
     if bias is not None:
         if not hasattr(bias, "shape") or tuple(bias.shape) != (v_rows,):
             raise ValueError(f"bias must have shape ({v_rows},) like the weight's rows, got {getattr(bias, 'shape', bias)}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be floating point, got {bias.dtype}")
     _validate_temperature(temperature, targets.shape)
+    return vocab, padded
+
+
+def _vocab_sizes(v_rows: int, vocab_size, padded_vocab_size) -> tuple[int, int]:
+    """(vocab_size, padded_vocab_size) with their defaults (the weight's rows), validated."""
+    vocab = v_rows if vocab_size is None else vocab_size
+    padded = v_rows if padded_vocab_size is None else padded_vocab_size
+    for name, value in (("vocab_size", vocab), ("padded_vocab_size", padded)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a static int, got {type(value).__name__}")
+    vocab, padded = int(vocab), int(padded)
+    if not 1 <= vocab <= v_rows:
+        raise ValueError(f"vocab_size must be in [1, weight rows = {v_rows}], got {vocab}")
+    if padded < v_rows:
+        raise ValueError(f"padded_vocab_size {padded} is smaller than the weight's {v_rows} rows")
     return vocab, padded
 
 
@@ -137,7 +141,7 @@ def _check_targets(targets, vocab_size: int) -> None:
 
 
 def _inv_t(temperature, n_rows):
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1) if jnp.ndim(temperature) else jnp.asarray(temperature, jnp.float32), (n_rows,))
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1), (n_rows,))  # scalar or per row
     inv = numerics.inv_temperature(t, n_rows)
     # A traced non-positive temperature makes only its own row NaN.
     return jnp.where((t > 0) & jnp.isfinite(t), inv, jnp.nan)
@@ -229,7 +233,8 @@ def linear_logp(
     the padded weight's bytes without copying it. return_logits: also return
     FP32 unscaled logits [..., vocab_size], never changing logp/lse bits.
     backend: "auto" | "reference" | "pallas_sm90" | "xla". `tuning`: bit-neutral
-    knobs only (block sizes along M, ...); contract constants raise ContractError.
+    knobs only (`contract.BIT_NEUTRAL_KNOBS`: row_block, bucket, num_ctas; each
+    backend applies its own); contract constants raise ContractError.
     Differentiable w.r.t. hidden, weight and bias (chunked custom_vjp).
     """
     C.check_no_overrides(tuning)
@@ -304,6 +309,5 @@ def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backe
     """The provenance record a call with these arguments would get (no compute)."""
     h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
     be, fallback = backends.resolve(backend, h2, weight)
-    vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
-    padded = max(weight.shape[0], vocab) if padded_vocab_size is None else int(padded_vocab_size)
+    vocab, padded = _vocab_sizes(weight.shape[0], vocab_size, padded_vocab_size)
     return _provenance(be, fallback, vocab, padded, backend)

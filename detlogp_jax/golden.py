@@ -13,13 +13,20 @@ pass / FAIL / new (no record for this key yet).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+import detlogp_jax as dl
+from detlogp_jax import backends, contract
 
 GOLDEN_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "golden", "fingerprints.json")
 
@@ -49,8 +56,6 @@ CASES = (
 
 def make_inputs(case: Case):
     """Deterministic inputs for a case (numpy; bf16 via ml_dtypes round-to-nearest-even)."""
-    import ml_dtypes
-
     rng = np.random.default_rng(case.seed)
     h = (rng.standard_normal((case.m, case.d), dtype=np.float32) * 2.0).astype(ml_dtypes.bfloat16)
     w = (rng.standard_normal((case.v_rows, case.d), dtype=np.float32) * 0.02 * 4).astype(ml_dtypes.bfloat16)
@@ -67,23 +72,13 @@ def make_inputs(case: Case):
 
 
 def platform_key(backend: str) -> str:
-    import jax
-
-    from detlogp_jax import backends, contract
-
     info = backends.platform_info()
     cc = info["compute_capability"] or "-"
     return f"{info['platform']}/{info['device_kind']}/cc{cc}/{contract.CONTRACT_ID}/jax{jax.__version__}/{backend}"
 
 
 def fingerprint_case(case: Case, backend: str) -> dict:
-    import jax
-
-    import detlogp_jax as dl
-
     h, w, t, b, temp = make_inputs(case)
-    import jax.numpy as jnp
-
     out = dl.linear_logp(
         h, w, t, bias=b, temperature=temp if np.isscalar(temp) else jnp.asarray(temp),
         vocab_size=case.vocab, padded_vocab_size=case.padded, backend=backend,
@@ -107,10 +102,6 @@ def load() -> dict:
 
 def replay(backend: str, cases=None, record: bool = False, log=print) -> dict:
     """Replays (or records) the golden set for `backend` on this machine."""
-    import jax
-
-    from detlogp_jax import backends
-
     on_cpu = jax.devices()[0].platform == "cpu"
     db = load()
     key = platform_key(backend)
@@ -144,10 +135,6 @@ def replay(backend: str, cases=None, record: bool = False, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    from detlogp_jax import backends
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default=None, help="default: the platform's preferred contract backend")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
