@@ -124,6 +124,18 @@ def _validate_temperature(temperature, row_shape):
             raise ValueError("temperature must be finite and > 0 in every row")
 
 
+def _checked(checked: bool | None) -> bool:
+    """Checked mode: the argument, else DETLOGP_CHECKED."""
+    if checked is None:
+        return os.environ.get("DETLOGP_CHECKED", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(checked)
+
+
+def _tuning_key(tuning) -> tuple:
+    """Bit-neutral tuning knobs as a hashable, order-free static key."""
+    return tuple(sorted((tuning or {}).items()))
+
+
 def _check_targets(targets, vocab_size: int) -> None:
     """Checked mode: raise on out-of-range targets (eagerly, or at run time under jit)."""
 
@@ -243,14 +255,12 @@ def linear_logp(
     vocab, padded = _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
     lead = hidden.shape[:-1]
     n = math.prod(lead)
-    if checked is None:
-        checked = os.environ.get("DETLOGP_CHECKED", "0") in ("1", "true", "yes")
-    if checked:
+    if _checked(checked):
         _check_targets(targets, vocab)
 
     be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
     _LAST_PROVENANCE[:] = [_provenance(be, fallback, vocab, padded, backend)]
-    cfg = _Config(be.name, vocab, padded, bool(return_logits), tuple(sorted((tuning or {}).items())))
+    cfg = _Config(be.name, vocab, padded, bool(return_logits), _tuning_key(tuning))
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)

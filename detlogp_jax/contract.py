@@ -15,6 +15,7 @@ CTA counts) may be tuned; they live with each backend, never here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Mapping
@@ -194,6 +195,7 @@ class SplitPlan:
         return tuple(t for t in (1, 2, 4, 8, 16, 32) if self.groups % t == 0)
 
 
+@functools.lru_cache(maxsize=64)
 def split_bounds(padded_vocab_size: int) -> SplitPlan:
     """The contract's vocab-split policy (depends on the padded vocab size only).
 
@@ -204,7 +206,7 @@ def split_bounds(padded_vocab_size: int) -> SplitPlan:
     count is g*q (264 for every production vocab), splits differ in size by at
     most one tile, and group (shard) edges are split edges.
     """
-    v = int(padded_vocab_size)
+    v = int(padded_vocab_size)  # (cached: a pure function of one int, frozen result)
     if v < 1:
         raise ValueError(f"padded_vocab_size must be >= 1, got {v}")
     t = n_tiles(v)

@@ -33,14 +33,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import numerics
 
 F32 = jnp.float32
 
-_PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32", "div": "div.rn.ftz.f32"}
+_PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32"}
 
 
 def _lift_ptx(instr: str):
@@ -156,9 +155,6 @@ class PtxOps:
   def sub(self, a, b):
     return self._binary("sub", a, b)
 
-  def div(self, a, b):
-    return self._binary("div", a, b)
-
   def program(self, prog, *arrays):
     """Applies a straight-line `ptx_programs.Program` elementwise to same-shape f32 arrays."""
     shape = tuple(jnp.shape(arrays[0]))
@@ -182,49 +178,9 @@ class PtxOps:
     return self.program(ptx_programs.PEXP_DIFF, a, b)
 
 
-def opaque_zero(source=None):
-  """A uint32 zero no compiler can prove to be zero (interpret mode only).
-
-  With a runtime `source` array: u = low byte of the bits of its first
-  element, zero = (u**3 - u) mod 3 (Fermat; u <= 255 so nothing wraps).
-  Without one: an optimization barrier on a constant zero.
-  """
-  if source is None:
-    return lax.optimization_barrier(jnp.zeros((), jnp.uint32))
-  first = jnp.ravel(source)[0].astype(F32)
-  u = lax.bitcast_convert_type(first, jnp.uint32) & jnp.uint32(0xFF)
-  return (u * u * u - u) % jnp.uint32(3)
-
-
-class InterpretOps:
-  """mul/add/sub for interpret mode: each result pinned behind an opaque xor.
-
-  Mirrors `numerics.XlaOps`; the opaque zero must be created inside the kernel
-  body (an `optimization_barrier` of a zero) so that XLA cannot fold it.
-  """
-
-  def __init__(self, zero=None):
-    self._zero = opaque_zero() if zero is None else zero
-
-  def _pin(self, v):
-    bits = lax.bitcast_convert_type(v, jnp.uint32) ^ self._zero
-    return lax.bitcast_convert_type(bits, F32)
-
-  @staticmethod
-  def _f(x):
-    return jnp.asarray(x, F32)
-
-  def mul(self, a, b):
-    return self._pin(self._f(a) * self._f(b))
-
-  def add(self, a, b):
-    return self._pin(self._f(a) + self._f(b))
-
-  def sub(self, a, b):
-    return self._pin(self._f(a) - self._f(b))
-
-  def div(self, a, b):
-    return self._pin(self._f(a) / self._f(b))
+class InterpretOps(numerics.XlaOps):
+  """mul/add/sub for interpret mode: `numerics.XlaOps` (each result pinned behind
+  an opaque xor) plus the kernel's `exp_diff` entry point."""
 
   def exp_diff(self, a, b):
     """pexp(fl(a - b)) via numerics.pexp (the spec implementation)."""
@@ -236,4 +192,4 @@ def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], so
 
   `source`: a runtime array of the kernel (interpret mode: seeds the opaque zero).
   """
-  return InterpretOps(opaque_zero(source)) if interpret else PtxOps(layout_of, fused=fused)
+  return InterpretOps(numerics.opaque_zero(source)) if interpret else PtxOps(layout_of, fused=fused)

@@ -8,7 +8,7 @@ ONE inline PTX block per element: nothing inside it can be contracted,
 re-associated or re-scheduled by LLVM, and it is emitted from a tiny
 instruction list that is also *executed in numpy* (`simulate`), so the exact
 PTX text that runs on the GPU is checked against `detlogp_jax.oracle` on the
-CPU (tests/test_pallas_ptx_programs.py).
+CPU (tests/test_pallas_units.py).
 
 Instruction semantics modelled by `simulate` (PTX ISA, sm_90):
   mul/add/sub.rn.ftz.f32  one IEEE binary32 op, round-to-nearest-even,
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Sequence
 
 import numpy as np
 

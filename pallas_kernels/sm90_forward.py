@@ -462,9 +462,7 @@ def partials(
   # of 8 needs a padded copy (rare: real vocabularies are multiples of 8).
   v_rows8 = -(-v_rows // 8) * 8
   if v_rows8 != v_rows:
-    weight = _pad_rows(weight, v_rows8)
-    if bias is not None:
-      bias = _pad_rows(bias, v_rows8)
+    weight = _pad_rows(weight, v_rows8)  # (bias is padded to the full width below)
   cfg = tuning.select_bucket(n, bucket)
   n_pad = max(-(-n // cfg.cta_rows), 1) * cfg.cta_rows
   n_rb = n_pad // cfg.cta_rows

@@ -77,6 +77,5 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool):
   return m_new, s_new, z_hit
 
 
-# The contract's FTZ and log are shared with the XLA lane (same code, kernel ops).
-ftz_bits = numerics.ftz
+# The contract's log is shared with the XLA lane (same code, kernel ops).
 plog = numerics.plog

@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -157,12 +156,6 @@ def _gather_invariant(x, axis_name, *, axis, tiled):
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
 
-def _offset_of(cfg: TPConfig, offset):
-    if cfg.static_offset is not None:
-        return jnp.int32(cfg.static_offset)
-    return offset
-
-
 def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig):
     """One rank: local partials -> all_gather (rank order) -> the backend's fold."""
     be = backends.get(cfg.backend)
@@ -179,7 +172,7 @@ def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig):
         z_sel = jnp.where(own_all[r], zt_all[r], z_sel)
     logp, lse = be.fold(m_all, s_all, z_sel, targets, inv_t, cfg.vocab_size)
     if logits is not None:
-        cols = _offset_of(cfg, offset) + jnp.arange(cfg.shard, dtype=jnp.int32)
+        cols = offset + jnp.arange(cfg.shard, dtype=jnp.int32)
         logits = jnp.where((cols < cfg.vocab_size)[None, :], logits, -jnp.inf)
     return logp, lse, logits
 
@@ -267,7 +260,7 @@ def _local_core_fwd(hidden, weight, bias, targets, inv_t, offset, cfg):
 
 def _local_backward(cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset, lse, g_logp, g_lse, g_logits):
     """This rank's (dh contribution, d weight shard, d bias shard) from the global lse."""
-    off = _offset_of(cfg, offset)
+    off = offset
     # grad.backward works on one weight in local column coordinates. The
     # target's onehot belongs to its owner shard only; every shard carries the
     # softmax term. With dz = inv_t*(g_lse*p + g_logp*(onehot - p)), a
@@ -342,7 +335,7 @@ def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_
         padded_vocab_size=int(padded_vocab_size),
         return_logits=bool(return_logits),
         static_offset=static_offset,
-        tuning=tuple(sorted((tuning or {}).items())),
+        tuning=_api._tuning_key(tuning),
     )
     return cfg, offset
 
@@ -370,7 +363,9 @@ def linear_logp_local(
     `lax.axis_index(axis_name) * V_pad/tp`. Returns LogpOutput(logp, lse,
     logits) with logp/lse [...] replicated over `axis_name` and logits
     [..., V_pad/tp] this rank's unscaled FP32 columns (-inf at columns >=
-    vocab_size). Gradients need the shard_map's default `check_vma=True`.
+    vocab_size). Call it inside `jax.shard_map(..., check_vma=False)` (the
+    built-in backends carry no manual-axis types; `check_vma=True` raises a
+    clear TypeError) and take gradients inside the shard_map body.
     """
     lead = hidden.shape[:-1]
     n = math.prod(lead)
@@ -557,8 +552,7 @@ def _tp_impl(hidden, weight, bias, targets, inv_t, *, cfg, mesh, row_entries):
 
 
 def _explicit_axes(mesh) -> bool:
-    types = getattr(mesh, "axis_types", ())
-    return any(str(t).endswith("Explicit") for t in types)
+    return jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
 
 
 def linear_logp_tp(
@@ -606,14 +600,12 @@ def linear_logp_tp(
     weight = jnp.asarray(weight) if isinstance(weight, np.ndarray) else weight
     bias = jnp.asarray(bias) if isinstance(bias, np.ndarray) else bias
     targets = jnp.asarray(targets) if isinstance(targets, (np.ndarray, list)) else targets
-    if hasattr(weight, "shape") and weight.ndim == 2 and padded_vocab_size is not None and weight.shape[0] != padded_vocab_size:
-        raise ValueError(
-            f"weight has {weight.shape[0]} rows but padded_vocab_size is {padded_vocab_size}: under TP the weight "
-            "must hold exactly V_pad rows (pad it to the canonical padded vocab)"
-        )
     vocab, padded = _api._validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
     if padded != weight.shape[0]:
-        raise ValueError(f"weight rows ({weight.shape[0]}) must equal padded_vocab_size ({padded}) under TP")
+        raise ValueError(
+            f"weight rows ({weight.shape[0]}) must equal padded_vocab_size ({padded}) under TP: the weight must "
+            "hold exactly V_pad rows (pad it to contract.canonical_padded_vocab)"
+        )
     tp = mesh.shape[tp_axis]
     shard = check_tp_geometry(padded, tp, vocab)
     lead = tuple(hidden.shape[:-1])
@@ -624,13 +616,11 @@ def linear_logp_tp(
     for ax in used:
         if ax not in mesh.shape:
             raise ValueError(f"row axis {ax!r} is not a mesh axis (axes: {tuple(mesh.shape)})")
-    if checked is None:
-        checked = os.environ.get("DETLOGP_CHECKED", "0") in ("1", "true", "yes")
-    if checked:
+    if _api._checked(checked):
         _api._check_targets(targets, vocab)
 
     n = math.prod(lead)
-    be, fallback = backends.resolve(backend, hidden.reshape(n, hidden.shape[-1]) if n else hidden, weight)
+    be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs its partials/fold")
     _api._LAST_PROVENANCE[:] = [_api._provenance(be, fallback, vocab, padded, backend)]
@@ -645,7 +635,7 @@ def linear_logp_tp(
         vocab_size=vocab,
         padded_vocab_size=padded,
         return_logits=bool(return_logits),
-        tuning=tuple(sorted((tuning or {}).items())),
+        tuning=_api._tuning_key(tuning),
     )
     inv_t = _api._inv_t(temperature, n).reshape(lead)
     t = targets.astype(jnp.int32)
