@@ -12,24 +12,19 @@ Neither is batch-invariant nor part of the contract.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-IGNORE_INDEX = -100
+from detlogp_jax import xla_backend
+
 DEFAULT_BLOCK = 2048
-
-
-def _block_logits(hidden, weight_block):
-    prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
-    return jnp.einsum("nd,vd->nv", hidden, weight_block, preferred_element_type=jnp.float32, precision=prec)
 
 
 def chunked_logp(hidden, weight, targets, *, vocab_size: int, inv_t=1.0, block: int = DEFAULT_BLOCK, return_logits: bool = False):
     """(logp [N], lse [N], logits [N, vocab_size] f32 | None), streaming over vocab blocks.
 
     hidden [N, D], weight [V_rows, D] (lm_head layout), targets [N] int
-    (IGNORE_INDEX -> logp 0). Rows >= vocab_size of the weight are padding. The
+    (ignore_index -100 -> logp 0). Rows >= vocab_size of the weight are padding. The
     last block is shifted back to end at V_rows (no weight copy or padding);
     columns it shares with the previous block are masked out.
     """
@@ -44,7 +39,7 @@ def chunked_logp(hidden, weight, targets, *, vocab_size: int, inv_t=1.0, block: 
         m, s, y_t, buf = carry
         lo = b * block
         start = jnp.minimum(lo, v_rows - block)
-        z = _block_logits(hidden, lax.dynamic_slice_in_dim(weight, start, block, axis=0))
+        z = xla_backend.logits(hidden, lax.dynamic_slice_in_dim(weight, start, block, axis=0))
         cols = start + jnp.arange(block, dtype=jnp.int32)
         valid = (cols >= lo) & (cols < vocab_size)
         y = jnp.where(valid[None, :], z * inv_t, -jnp.inf)
@@ -64,10 +59,7 @@ def chunked_logp(hidden, weight, targets, *, vocab_size: int, inv_t=1.0, block: 
     )
     m, s, y_t, buf = lax.fori_loop(0, n_blocks, body, init)
     lse = m + jnp.log(s)
-    logp = jnp.minimum(y_t - lse, 0.0)
-    logp = jnp.where(targets == IGNORE_INDEX, 0.0, logp)
-    bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab_size)
-    logp = jnp.where(bad, jnp.nan, logp)
+    logp = xla_backend.clamped_logp(y_t, lse, targets, vocab_size)
     return logp, lse, (buf[:, :vocab_size] if return_logits else None)
 
 

@@ -19,7 +19,6 @@ package because Python 3 imports are absolute.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import jax
@@ -34,16 +33,10 @@ __all__ = ["LogpHead", "LogpOutput", "tp_entry", "masked_mean_nll"]
 
 
 def tp_entry():
-    """`linear_logp_tp` from the `sharding` package if it exposes one, else None."""
-    for name in ("sharding", "detlogp_jax.sharding"):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        fn = getattr(mod, "linear_logp_tp", None)
-        if callable(fn):
-            return fn
-    return None
+    """`sharding.linear_logp_tp` (imported lazily: the top-level package ships with us)."""
+    from sharding import linear_logp_tp
+
+    return linear_logp_tp
 
 
 def masked_mean_nll(logp, targets):
@@ -193,12 +186,7 @@ class LogpHead(nnx.Module):
             backend=self.backend if backend is None else backend,
         )
         if self.mesh is not None and kw["backend"] != "xla":  # the XLA lane has no TP form: it runs unsharded
-            fn = tp_entry()
-            if fn is None:
-                raise NotImplementedError(
-                    "LogpHead(mesh=..., tp_axis=...) needs sharding.linear_logp_tp, which this checkout does not provide"
-                )
-            out = fn(hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw)
+            out = tp_entry()(hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw)
             if out.logits is not None and out.logits.shape[-1] != self.vocab_size:
                 out = out._replace(logits=out.logits[..., : self.vocab_size])  # same layout as linear_logp
             return out

@@ -1,7 +1,7 @@
 """RL parity validation: does the trainer get the rollout's logp bytes?
 
     python -m detlogp_jax.validate [--backend auto] [--preset small|qwen3_8b]
-        [--batch 16] [--steps 32] [--temperature 1.0 --top_k 0 --top_p 1.0 --min_p 0.0]
+        [--batch 64|16] [--steps 128|32] [--temperature 1.0 --top_k 0 --top_p 1.0 --min_p 0.0]
         [--seed 0] [--tp 1] [--strict] [--out_dir benchmarks/results]
 
 A small random Flax NNX decoder LM (`detlogp_jax.toy_lm`, lm_head = `LogpHead`)
@@ -35,11 +35,9 @@ body's (attention/FFN), not the operator's. Writes `validate_<platform>_<preset>
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
-import math
 import os
 import shlex
 import sys
@@ -58,7 +56,6 @@ from detlogp_jax import backends
 from detlogp_jax import contract as C
 from detlogp_jax import fingerprint as fp_lib
 from detlogp_jax import sampling
-from detlogp_jax.flax import tp_entry
 from detlogp_jax.toy_lm import ToyLM, ToyLMConfig
 
 __all__ = ["PRESETS", "ValidateConfig", "run_validation", "write_reports", "render_markdown", "compare_logp"]
@@ -75,8 +72,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 class ValidateConfig:
     backend: str = "auto"
     preset: str | None = None  # None: small on CPU, qwen3_8b on GPU
-    batch: int = 16
-    steps: int = 32
+    batch: int | None = None  # None: 64 on GPU, 16 on CPU
+    steps: int | None = None  # None: 128 on GPU, 32 on CPU
     tp: int = 1
     temperature: float = 1.0
     top_k: int = 0
@@ -227,10 +224,6 @@ def _model_config(preset: str, cfg: ValidateConfig, head_backend: str) -> tuple[
 def _make_mesh(tp: int):
     if tp == 1:
         return None
-    if tp_entry() is None:
-        raise NotImplementedError(
-            f"--tp {tp} needs sharding.linear_logp_tp, which this checkout does not provide; run with --tp 1"
-        )
     devs = jax.devices()
     if len(devs) < tp:
         raise ValueError(f"--tp {tp} needs {tp} devices, found {len(devs)}")
@@ -246,7 +239,12 @@ def _flip_one_bit(x):
 
 def run_validation(config: ValidateConfig) -> dict[str, Any]:
     """Runs rollout + trainer, returns the report dict (and writes it if out_dir is set)."""
-    cfg = config
+    on_cpu = jax.default_backend() == "cpu"
+    cfg = dataclasses.replace(
+        config,
+        batch=config.batch or (16 if on_cpu else 64),
+        steps=config.steps or (32 if on_cpu else 128),
+    )
     t_start = time.perf_counter()
     prog = _Progress(cfg.progress)
     preset = _resolve_preset(cfg)
@@ -665,14 +663,11 @@ def main(argv):
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     command = " ".join(["python", "-m", "detlogp_jax.validate"] + [shlex.quote(a) for a in sys.argv[1:]])
-    import jax
-
-    on_gpu = jax.devices()[0].platform == "gpu"
     cfg = ValidateConfig(
         backend=FLAGS.backend,
         preset=FLAGS.preset,
-        batch=FLAGS.batch or (64 if on_gpu else 16),
-        steps=FLAGS.steps or (128 if on_gpu else 32),
+        batch=FLAGS.batch,
+        steps=FLAGS.steps,
         tp=FLAGS.tp,
         temperature=FLAGS.temperature,
         top_k=FLAGS.top_k,

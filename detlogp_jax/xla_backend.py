@@ -32,8 +32,13 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_log
     lse = jax.nn.logsumexp(y, axis=1)
     safe = jnp.clip(targets, 0, vocab_size - 1)
     y_t = jnp.take_along_axis(y, safe[:, None], axis=1)[:, 0]
+    return clamped_logp(y_t, lse, targets, vocab_size), lse, (z if return_logits else None)
+
+
+def clamped_logp(y_t, lse, targets, vocab_size: int):
+    """min(y_t - lse, 0) with the contract's target semantics: ignore_index -> +0,
+    any other id outside [0, vocab_size) -> NaN (row-local). Unpinned arithmetic."""
     logp = jnp.minimum(y_t - lse, 0.0)
     logp = jnp.where(targets == C.IGNORE_INDEX, 0.0, logp)
     bad = ((targets < 0) & (targets != C.IGNORE_INDEX)) | (targets >= vocab_size)
-    logp = jnp.where(bad, jnp.nan, logp)
-    return logp, lse, (z if return_logits else None)
+    return jnp.where(bad, jnp.nan, logp)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import bits
 from detlogp_jax.sampling import (
     SampleResult,
     SamplingProgram,
@@ -24,10 +25,6 @@ PROGRAMS = [
     SamplingProgram(min_p=0.05),
     SamplingProgram(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02),
 ]
-
-
-def bits(x):
-    return np.asarray(x).view(np.uint32)
 
 
 def rand_logits(seed, shape, ties=False):
