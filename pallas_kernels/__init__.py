@@ -14,10 +14,8 @@ compute capability 9.x (or interpret mode on any host).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from pallas_kernels.sm90_fold import fold
-from pallas_kernels.sm90_forward import partials, shard_geometry
+from pallas_kernels.sm90_forward import partials, shard_geometry, unsupported
 from pallas_kernels.tuning import BUCKETS, select_bucket
 
 BACKEND_NAME = "pallas_sm90"
@@ -42,16 +40,8 @@ def is_available() -> bool:
 
 def supports(hidden, weight) -> tuple[bool, str]:
   """(ok, reason): whether this backend accepts these operands (shapes/dtypes only)."""
-  if getattr(hidden, "ndim", None) != 2 or getattr(weight, "ndim", None) != 2:
-    return False, "hidden must be [N, D] and weight [V, D]"
-  if hidden.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
-    return False, f"pallas_sm90 supports bf16 hidden/weight only (got {hidden.dtype}/{weight.dtype})"
-  d = hidden.shape[1]
-  if weight.shape[1] != d:
-    return False, f"hidden size mismatch {hidden.shape} vs {weight.shape}"
-  if d <= 0 or d % 64:
-    return False, f"hidden size D={d} is not a positive multiple of 64"
-  return True, "ok"
+  why = unsupported(hidden, weight)
+  return (why is None), (why or "ok")
 
 
 __all__ = ["BACKEND_NAME", "partials", "fold", "is_available", "supports", "shard_geometry", "BUCKETS", "select_bucket"]

@@ -369,19 +369,26 @@ def _forward_core(*args, **static):
   return build_forward(**static)(*args)
 
 
-def _check_inputs(hidden, weight, bias, targets, inv_t):
-  if hidden.ndim != 2 or weight.ndim != 2:
-    raise ValueError(f"hidden must be [N, D] and weight [V, D], got {hidden.shape}, {weight.shape}")
+def unsupported(hidden, weight) -> str | None:
+  """Why this kernel cannot take these operands (shapes/dtypes only), or None."""
+  if getattr(hidden, "ndim", None) != 2 or getattr(weight, "ndim", None) != 2:
+    return f"hidden must be [N, D] and weight [V, D], got {hidden.shape}, {weight.shape}"
   if hidden.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
-    raise ValueError(
-        f"pallas_sm90 supports bf16 hidden and weight only (got {hidden.dtype}, {weight.dtype}); "
-        "route other dtypes to the reference backend"
-    )
-  n, d = hidden.shape
+    return (f"pallas_sm90 supports bf16 hidden and weight only (got {hidden.dtype}, {weight.dtype}); "
+            "route other dtypes to the reference backend")
+  d = hidden.shape[1]
   if weight.shape[1] != d:
-    raise ValueError(f"hidden size mismatch: hidden {hidden.shape} vs weight {weight.shape}")
+    return f"hidden size mismatch: hidden {hidden.shape} vs weight {weight.shape}"
   if d % TILE_K or d == 0:
-    raise ValueError(f"pallas_sm90 needs the hidden size D to be a positive multiple of {TILE_K}, got {d}")
+    return f"pallas_sm90 needs the hidden size D to be a positive multiple of {TILE_K}, got {d}"
+  return None
+
+
+def _check_inputs(hidden, weight, bias, targets, inv_t):
+  why = unsupported(hidden, weight)
+  if why:
+    raise ValueError(why)
+  n = hidden.shape[0]
   if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
     raise ValueError(f"bias must be [{weight.shape[0]}], got {bias.shape}")
   if targets.shape != (n,) or inv_t.shape != (n,):

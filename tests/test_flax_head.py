@@ -61,7 +61,9 @@ def test_tied_embedding_shares_param():
 def test_dtype_cast_and_errors():
     head = LogpHead(D, V, param_dtype=jnp.bfloat16, backend="xla", rngs=nnx.Rngs(0))
     h, t = _data()
-    assert head(h, t).logp.dtype == jnp.float32  # f32 hidden cast to the bf16 weight
+    # f32 hidden is cast to the bf16 weight (linear_logp itself refuses mixed dtypes)
+    want = linear_logp(h.astype(jnp.bfloat16), head.kernel[...], t, vocab_size=V, padded_vocab_size=512, backend="xla")
+    assert_bitwise_equal(head(h, t).logp, want.logp, "cast to the weight dtype")
     with pytest.raises(ValueError):
         LogpHead(D, V)  # no rngs
     with pytest.raises(ValueError):

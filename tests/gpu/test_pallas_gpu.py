@@ -84,6 +84,3 @@ def test_unpadded_weight():
     assert_bitwise_equal(a[k], c[k], f"{k} unpadded vs padded")
   assert_bitwise_equal(a["logits"], c["logits"][:, :v], "logits")
 
-
-def test_is_available():
-  assert pk.is_available()
