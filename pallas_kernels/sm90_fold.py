@@ -29,10 +29,10 @@ from pallas_kernels import ptx_ops, tile_math
 
 F32 = jnp.float32
 FOLD_ROWS = 128  # rows per CTA: one row per thread of one warpgroup (bit-neutral)
-UNROLL = 8  # splits per loop trip (bit-neutral: the order of the sum is unchanged)
+UNROLL = 8  # default splits per loop trip (bit-neutral: the order of the sum is unchanged)
 
 
-def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None):
+def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None, unroll: int = UNROLL):
   """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse)."""
   br = FOLD_ROWS
   assert n_pad % br == 0
@@ -56,10 +56,10 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
     # independent of the running value, so their latency overlaps; the
     # running max / sum still consumes splits strictly one after another.
     def blocks(first, body, init):
-      n_full = (n_split - first) // UNROLL
-      val = lax.fori_loop(0, n_full, lambda i, v: body(first + i * UNROLL, UNROLL, v), init)
-      rest = (n_split - first) - n_full * UNROLL
-      return body(first + n_full * UNROLL, rest, val) if rest else val
+      n_full = (n_split - first) // unroll
+      val = lax.fori_loop(0, n_full, lambda i, v: body(first + i * unroll, unroll, v), init)
+      rest = (n_split - first) - n_full * unroll
+      return body(first + n_full * unroll, rest, val) if rest else val
 
     def max_body(j0, count, big_m):
       ms = [load(m_ref.at[j0 + u, rows]) for u in range(count)]
@@ -105,7 +105,7 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
   )
 
 
-@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params"))
+@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "unroll"))
 def _fold_core(*args, **static):
   """The fold launch, jitted on the padded row count (shared across N)."""
   return build_fold(**static)(*args)
@@ -127,6 +127,7 @@ def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: 
       p(targets.astype(jnp.int32), C.IGNORE_INDEX),
       p(inv_t.astype(F32), 1.0),
       n_split=n_split, n_pad=n_pad, vocab_size=int(vocab_size), interpret=interpret, interpret_params=interpret_params,
+      unroll=UNROLL,
   )
   return logp[:n], lse[:n]
 

@@ -125,6 +125,24 @@ def shard_geometry(vocab_size: int, padded_vocab_size: int, col_offset: int = 0,
   )
 
 
+def _work_item(i, n_local: int, n_rb: int, split_group: int):
+  """(local split, row block) of work item i (bit-neutral: only the order changes).
+
+  split_group == 0: row blocks fastest. G > 0: splits in groups of G (the last
+  group may be smaller); inside a group the split index moves fastest, so a
+  wave of CTAs covers a G-split x (CTAs / G)-row-block rectangle.
+  """
+  if split_group <= 0:
+    return i // n_rb, i % n_rb
+  g = min(split_group, n_local)
+  span = g * n_rb
+  grp = i // span
+  rem = i - grp * span
+  width = jnp.minimum(g, n_local - grp * g)
+  rb = rem // width
+  return grp * g + (rem - rb * width), rb
+
+
 def _split_tiles(geom: ShardGeometry, j):
   """(start, end) tile of global split j (traced int32), per contract.split_bounds."""
   q, size = geom.parts, geom.size
@@ -186,8 +204,14 @@ def build_forward(
     interpret_params=None,
     lg_rows: int | None = None,
     fused_ptx: bool = True,
+    diag: tuple[str, ...] = (),
 ):
-  """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs."""
+  """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs.
+
+  `diag` (timing experiments only, NOT contract-keeping): "skip_epilogue"
+  drops the chain (the accumulator is still read and zeroed), to measure
+  what the epilogue costs.
+  """
   bm = cfg.block_m
   n_wg = cfg.num_compute_wgs
   cta_rows = cfg.cta_rows
@@ -205,7 +229,13 @@ def build_forward(
   n_local = geom.n_local
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
   row_l, col_l = _row_layout(), _col_layout()
-  stages = min(tuning.pipeline_stages(cfg, w, TILE_K), n_groups * k_iters)
+  extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
+  stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
+  delay = cfg.delay_release if stages > cfg.delay_release else 0
+  slots = cfg.logits_slots
+  sg = cfg.split_group
+  n_items = n_local * n_rb
+  skip_epilogue = "skip_epilogue" in diag
 
   def kernel(*refs):
     if has_bias:
@@ -225,8 +255,10 @@ def build_forward(
           grid=(n_groups, k_iters),
           memory_registers=40,
           in_specs=[
-              plgpu.BlockSpec((cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms),
-              plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms),
+              plgpu.BlockSpec((cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms,
+                              delay_release=delay),
+              plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms,
+                              delay_release=delay),
           ],
           wg_axis="wg",
           num_compute_wgs=n_wg,
@@ -248,15 +280,15 @@ def build_forward(
       # that divides it (v_rows is a multiple of 8, so 32B always works).
       lg_swz = next(sw for sw in (128, 64, 32) if v_rows % (sw // 4) == 0)
       lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
-      scoped["out_smem"] = plgpu.SMEM((n_wg, bm, TILE), F32, transforms=lg_transforms)
+      scoped["out_smem"] = plgpu.SMEM((n_wg, slots, bm, TILE), F32, transforms=lg_transforms)
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
     def _scope(pipeline_allocs, out_smem=None):
       wg = lax.axis_index("wg")
 
-      @plgpu.nd_loop((n_local, n_rb), collective_axes="cta")
+      @plgpu.nd_loop((n_items,), collective_axes="cta")
       def _work(info):
-        js, rb = info.index
+        js, rb = _work_item(info.index[0], n_local, n_rb, sg)
         j = js + j0
         t0, t1 = _split_tiles(geom, j)
         row0 = rb * cta_rows
@@ -286,8 +318,12 @@ def build_forward(
         def epilogue(acc_ref, g, m, s, zt):
           ops, tgt, invt = ctx_vals["ops"], ctx_vals["tgt"], ctx_vals["invt"]
           wrow = row0 + wg * bm
+          if delay and not interpret:
+            plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
           z_all = acc_ref[...]
           _zero_acc(acc_ref, bm, gcols, interpret)
+          if skip_epilogue:
+            return m, s, zt
           invt_b = jnp.broadcast_to(invt[:, None], (bm, TILE))
           col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
           if not interpret:
@@ -304,13 +340,24 @@ def build_forward(
             row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
             zt = jnp.where(row_hit, z_hit, zt)
             if return_logits:
+              # Tile t of the work item uses staging slot t % slots; waiting
+              # until at most slots - 1 stores are pending frees this slot.
+              # The item's first store waits for all (the previous item's
+              # last stores were issued a whole K walk ago, so this is free),
+              # since the previous item may have ended on any slot.
+              slot = lax.rem(g * w + i, slots)
+
               @pl.when(tile < t1)
               def _store():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem.at[wg][...] = z
+                if i == 0:
+                  @pl.when(g == 0)
+                  def _drain():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                out_smem.at[wg, slot][...] = z
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg], lg_out.at[pl.ds(wrow, bm), pl.ds(tcol0 - c0, TILE)]
+                    out_smem.at[wg, slot], lg_out.at[pl.ds(wrow, bm), pl.ds(tcol0 - c0, TILE)]
                 )
           return m, s, zt
 
@@ -318,7 +365,7 @@ def build_forward(
           g, k = idxs
           acc_ref, m, s, zt = carry
           plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
-          plgpu.wgmma_wait(0)
+          plgpu.wgmma_wait(delay)
           m, s, zt = lax.cond(
               k == k_iters - 1,
               lambda m, s, zt: epilogue(acc_ref, g, m, s, zt),
@@ -359,7 +406,7 @@ def build_forward(
 
 
 _STATIC = ("n_pad", "d", "v_rows", "geom", "cfg", "has_bias", "return_logits", "num_ctas", "interpret",
-           "interpret_params", "lg_rows", "fused_ptx")
+           "interpret_params", "lg_rows", "fused_ptx", "diag")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -419,6 +466,7 @@ def partials(
     interpret: bool = False,
     interpret_params=None,
     _fused_ptx: bool = True,
+    _diag: tuple[str, ...] = (),
 ):
   """Per-split LSE partials of z = hidden @ weight.T (+ bias) for the local shard.
 
@@ -436,7 +484,8 @@ def partials(
       split edges (`ContractError` otherwise).
     return_logits: also return the FP32 unscaled, post-bias logits [N, Vl]
       from the same accumulator (the partials are bitwise the same).
-    bucket: force a launch bucket of `tuning.BUCKETS` (bit-neutral).
+    bucket: force a launch bucket of `tuning.BUCKETS` (bit-neutral; a
+      `tuning.LaunchConfig` is accepted for experiments).
     num_ctas: force the persistent CTA count (bit-neutral).
     interpret: run under `plgpu.InterpretGPUParams` on CPU.
     _fused_ptx: (diagnostics) False emits exp op by op through
@@ -489,7 +538,7 @@ def partials(
   outs = _forward_core(
       *args, n_pad=n_pad, d=d, v_rows=v_rows8, geom=geom, cfg=cfg, has_bias=bias is not None,
       return_logits=return_logits, num_ctas=num_ctas, interpret=interpret,
-      interpret_params=interpret_params, lg_rows=lg_rows, fused_ptx=_fused_ptx,
+      interpret_params=interpret_params, lg_rows=lg_rows, fused_ptx=_fused_ptx, diag=tuple(_diag),
   )
   m_t, s_t, zt_t = outs[:3]
   logits = None

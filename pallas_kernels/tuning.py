@@ -11,6 +11,14 @@ is how the fixed work is laid onto the GPU:
 * `max_concurrent_steps`: TMA pipeline depth,
 * `num_ctas`: persistent CTA count (work items are (row block, split) pairs,
   handed out round-robin; each work item is computed by exactly one CTA),
+* `delay_release`: 1 keeps one wgmma group in flight per consumer warpgroup
+  (`wgmma_wait(1)`, the pipeline slot is released one step later); the
+  instruction sequence per accumulator is unchanged,
+* `split_group`: the order of work items (0: row blocks fastest over all
+  splits; G > 0: groups of G splits, the split fastest inside a group, so the
+  CTAs running at once share both operands in L2),
+* `logits_slots`: staging buffers per consumer warpgroup for the serving
+  entry's FP32 logits TMA stores (stores overlap the next tiles' epilogue),
 
 selected by an M bucket (`decode`, `small`, `prefill`). `tiles_per_group`
 (the wgmma N width in 64-column tiles) is derived from the split geometry
@@ -38,6 +46,9 @@ class LaunchConfig:
   num_compute_wgs: int  # consumer warpgroups per CTA
   max_concurrent_steps: int  # pipeline depth (stages of (H, W) K-slices)
   ctas_per_sm: int = 1  # persistent CTAs per SM (num_ctas = min(work, sms * this))
+  delay_release: int = 0  # 1: wgmma_wait(1) and release the pipeline slot one step later
+  split_group: int = 0  # work order: 0 = row blocks fastest; G = G splits fastest within a group
+  logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
 
   @property
   def cta_rows(self) -> int:
@@ -60,17 +71,31 @@ BUCKETS: dict[str, LaunchConfig] = {
 PIPELINE_SMEM_BUDGET = 192 * 1024
 
 
-def pipeline_stages(cfg: LaunchConfig, tiles_per_group: int, tile_k: int = 64) -> int:
-  """Pipeline depth that fits the SMEM budget (bit-neutral)."""
+# Shared memory of one H200 thread block (227 KiB) less a margin for barriers.
+SMEM_LIMIT = 224 * 1024
+
+
+def logits_staging_bytes(cfg: LaunchConfig) -> int:
+  """SMEM of the serving entry's FP32 logits staging tiles (64 x 64 f32 each)."""
+  return cfg.num_compute_wgs * cfg.logits_slots * cfg.block_m * 64 * 4
+
+
+def pipeline_stages(cfg: LaunchConfig, tiles_per_group: int, tile_k: int = 64, extra_smem: int = 0) -> int:
+  """Pipeline depth that fits the SMEM budget next to `extra_smem` bytes (bit-neutral)."""
   stage_bytes = (cfg.cta_rows + 64 * tiles_per_group) * tile_k * 2
-  return max(2, min(cfg.max_concurrent_steps, PIPELINE_SMEM_BUDGET // stage_bytes))
+  budget = min(PIPELINE_SMEM_BUDGET, SMEM_LIMIT - extra_smem)
+  stages = max(2, min(cfg.max_concurrent_steps, budget // stage_bytes))
+  return max(stages, cfg.delay_release + 1)
 
 # Upper bounds (inclusive) of M per bucket, in order.
 BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (512, "small"), (1 << 62, "prefill"))
 
 
-def select_bucket(n_rows: int, bucket: str | None = None) -> LaunchConfig:
-  """The launch config for `n_rows` rows, or the forced `bucket`."""
+def select_bucket(n_rows: int, bucket: "str | LaunchConfig | None" = None) -> LaunchConfig:
+  """The launch config for `n_rows` rows, or the forced `bucket` (a name or, for
+  experiments, a `LaunchConfig`)."""
+  if isinstance(bucket, LaunchConfig):
+    return bucket
   if bucket is not None:
     if bucket not in BUCKETS:
       raise ValueError(f"unknown bucket {bucket!r}; known: {sorted(BUCKETS)}")
@@ -115,7 +140,8 @@ def default_num_sms() -> int:
 def describe(cfg: LaunchConfig) -> str:
   return (
       f"{cfg.name}: block_m={cfg.block_m} wgs={cfg.num_compute_wgs} rows/CTA={cfg.cta_rows} "
-      f"stages={cfg.max_concurrent_steps} ctas/SM={cfg.ctas_per_sm}"
+      f"stages={cfg.max_concurrent_steps} ctas/SM={cfg.ctas_per_sm} delay_release={cfg.delay_release} "
+      f"split_group={cfg.split_group} logits_slots={cfg.logits_slots}"
   )
 
 

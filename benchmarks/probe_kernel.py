@@ -1,0 +1,277 @@
+"""Kernel experiments on the GPU: time bit-neutral launch variants in one process.
+
+Not the benchmark runner (`benchmarks/run.py` is): this script times the
+pallas_sm90 forward kernel alone (`sm90_forward._forward_core` on pre-padded
+operands), the fold alone, the full `linear_logp` path, the XLA baselines and
+the chunked backward, for a list of launch variants, and checks that every
+variant gives the same partials bytes as the bucket's current config. Each
+experiment is one JSON line under --out; a table is printed at the end.
+
+  PYTHONPATH=. python3 -m benchmarks.probe_kernel --groups decode,prefill --out /tmp/probe.jsonl
+
+Device: an H200 (nvidia-h200). Times are medians over --samples samples of
+--calls back-to-back calls with one synchronization (device time per call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+
+import numpy as np
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import baselines
+from detlogp_jax import api, contract as C, grad
+from pallas_kernels import sm90_fold, sm90_forward, tuning
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"], "Experiment groups.")
+flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
+flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
+flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
+
+D, V_ROWS, V_REAL = 4096, 152064, 151936
+F32 = jnp.float32
+
+
+def _inputs(m, seed):
+  k = jax.random.split(jax.random.PRNGKey(seed), 2)
+  h = jax.random.normal(k[0], (m, D), F32).astype(jnp.bfloat16)
+  t = jax.random.randint(k[1], (m,), 0, V_REAL, jnp.int32)
+  return h, t
+
+
+def _weight():
+  w = jax.random.normal(jax.random.PRNGKey(99), (V_ROWS, D), F32) * 0.02
+  return w.astype(jnp.bfloat16)
+
+
+def _time(fn, arg_sets, calls, samples):
+  out = fn(*arg_sets[0])
+  jax.block_until_ready(out)
+  for i in range(2):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  times = []
+  for s in range(samples):
+    t0 = time.perf_counter()
+    outs = [fn(*arg_sets[(s * calls + j) % len(arg_sets)]) for j in range(calls)]
+    jax.block_until_ready(outs)
+    times.append((time.perf_counter() - t0) / calls * 1e3)
+    del outs
+  return out, {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+
+
+def _calls(m):
+  return 20 if m <= 256 else (6 if m <= 4096 else 3)
+
+
+def _kernel_fn(m, cfg, *, return_logits=False, diag=()):
+  """Jitted kernel-only call on pre-padded operands (as `partials` builds them)."""
+  geom = sm90_forward.shard_geometry(V_REAL, V_ROWS)
+  n_pad = max(-(-m // cfg.cta_rows), 1) * cfg.cta_rows
+  work = (n_pad // cfg.cta_rows) * geom.n_local
+  num_ctas = max(1, min(tuning.default_num_sms() * cfg.ctas_per_sm, work))
+  lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
+
+  def prep(h, t):
+    pad = n_pad - m
+    return (jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(t, (0, pad), constant_values=C.IGNORE_INDEX),
+            jnp.ones((n_pad,), F32))
+
+  @jax.jit
+  def run(h, w, t, invt):
+    return sm90_forward._forward_core(
+        h, w, t, invt, n_pad=n_pad, d=D, v_rows=V_ROWS, geom=geom, cfg=cfg, has_bias=False,
+        return_logits=return_logits, num_ctas=num_ctas, interpret=False, interpret_params=None,
+        lg_rows=lg_rows, fused_ptx=True, diag=tuple(diag))
+
+  return run, prep
+
+
+def _bits_equal(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return bool(a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+
+
+class Probe:
+
+  def __init__(self, out_path, samples, budget_s):
+    self.out = open(out_path, "w")
+    self.samples = samples
+    self.t_start = time.perf_counter()
+    self.budget_s = budget_s
+    self.rows = []
+    self.w = _weight()
+    self.inputs = {}
+    self.ref_bits = {}
+
+  def over_budget(self):
+    return time.perf_counter() - self.t_start > self.budget_s
+
+  def record(self, group, name, m, res, **extra):
+    row = {"group": group, "name": name, "m": m, **res, **extra}
+    if "median_ms" in res:
+      row["tflops"] = 2.0 * m * D * V_ROWS / (res["median_ms"] * 1e-3) / 1e12
+    self.rows.append(row)
+    self.out.write(json.dumps(row) + "\n")
+    self.out.flush()
+    print(json.dumps(row), flush=True)
+
+  def sets(self, m):
+    if m not in self.inputs:
+      self.inputs[m] = [_inputs(m, s) for s in (1, 2)]
+    return self.inputs[m]
+
+  def kernel(self, group, name, m, cfg, *, return_logits=False, diag=(), ref_key=None):
+    if self.over_budget():
+      return
+    try:
+      t0 = time.perf_counter()
+      run, prep = _kernel_fn(m, cfg, return_logits=return_logits, diag=diag)
+      arg_sets = [(*prep(h, t),) for h, t in self.sets(m)]
+      arg_sets = [(a[0], self.w, a[1], a[2]) for a in arg_sets]
+      out, res = _time(run, arg_sets, _calls(m), self.samples)
+      extra = {"cfg": tuning.describe(cfg), "diag": list(diag), "wall_s": time.perf_counter() - t0}
+      if not diag:
+        key = ref_key or (m, return_logits)
+        bits = [np.asarray(x) for x in out[:2]]
+        if key not in self.ref_bits:
+          self.ref_bits[key] = bits
+          extra["bits"] = "reference"
+        else:
+          extra["bits"] = "same" if all(_bits_equal(a, b) for a, b in zip(bits, self.ref_bits[key])) else "DIFFERENT"
+      self.record(group, name, m, res, **extra)
+    except Exception as e:  # keep going: one failing variant must not end the run
+      self.record(group, name, m, {"error": f"{type(e).__name__}: {str(e)[:400]}"})
+      traceback.print_exc()
+
+  def generic(self, group, name, m, fn, arg_sets, calls=None):
+    if self.over_budget():
+      return
+    try:
+      t0 = time.perf_counter()
+      _, res = _time(fn, arg_sets, calls or _calls(m), self.samples)
+      self.record(group, name, m, res, wall_s=time.perf_counter() - t0)
+    except Exception as e:
+      self.record(group, name, m, {"error": f"{type(e).__name__}: {str(e)[:400]}"})
+      traceback.print_exc()
+
+
+def _v(base, name, **kw):
+  return dataclasses.replace(tuning.BUCKETS[base], name=name, **kw)
+
+
+def main(argv):
+  del argv
+  p = Probe(FLAGS.out, FLAGS.samples, FLAGS.budget_s)
+  groups = set(FLAGS.groups)
+  print(jax.devices(), flush=True)
+
+  def full_fn(backend, serving=False):
+    @jax.jit
+    def f(h, w, t):
+      o = api.linear_logp(h, w, t, vocab_size=V_REAL, padded_vocab_size=V_ROWS, backend=backend,
+                          return_logits=serving)
+      return (o.logp, o.lse) if not serving else (o.logp, o.lse, o.logits)
+    return f
+
+  if "full" in groups:
+    for m in (1, 8, 64):
+      sets = [(h, p.w, t) for h, t in p.sets(m)]
+      p.generic("full", "pallas_sm90", m, full_fn("pallas_sm90"), sets)
+      p.generic("full", "xla", m, full_fn("xla"), sets)
+      p.generic("full", "gemm", m, jax.jit(lambda h, w, t: baselines.gemm(h, w)), sets)
+
+  if "decode" in groups:
+    for m in (1, 64):
+      p.kernel("decode", "decode", m, tuning.BUCKETS["decode"])
+      p.kernel("decode", "decode+delay", m, _v("decode", "d1", delay_release=1))
+      p.kernel("decode", "decode+st8", m, _v("decode", "d2", max_concurrent_steps=8))
+      p.kernel("decode", "decode+delay+st8", m, _v("decode", "d3", delay_release=1, max_concurrent_steps=8))
+      p.kernel("decode", "decode-skip-epi", m, tuning.BUCKETS["decode"], diag=("skip_epilogue",))
+
+  if "fold" in groups:
+    n_split = C.split_bounds(V_ROWS).n_split
+    rng = np.random.default_rng(0)
+    for m in (1, 64, 4096):
+      n_pad = -(-m // sm90_fold.FOLD_ROWS) * sm90_fold.FOLD_ROWS
+      mt = jnp.asarray(rng.normal(0, 3, (n_split, n_pad)), F32)
+      st = jnp.asarray(rng.uniform(1, 40, (n_split, n_pad)), F32)
+      zt = jnp.asarray(rng.normal(0, 3, (n_pad,)), F32)
+      tg = jnp.asarray(rng.integers(0, V_REAL, n_pad), jnp.int32)
+      it = jnp.ones((n_pad,), F32)
+      ref = None
+      for unroll in (8, 24, 33, 66):
+        f = jax.jit(lambda a, b, c, d, e, u=unroll: sm90_fold._fold_core(
+            a, b, c, d, e, n_split=n_split, n_pad=n_pad, vocab_size=V_REAL, interpret=False, interpret_params=None,
+            unroll=u))
+        p.generic("fold", f"fold-unroll{unroll}", m, f, [(mt, st, zt, tg, it)])
+        out = f(mt, st, zt, tg, it)
+        if ref is None:
+          ref = out
+        elif not all(_bits_equal(a, b) for a, b in zip(out, ref)):
+          p.record("fold", f"fold-unroll{unroll}", m, {"error": "bits differ from unroll 8"})
+
+  if "small" in groups:
+    for m in (256,):
+      p.kernel("small", "small", m, tuning.BUCKETS["small"])
+      p.kernel("small", "small+delay", m, _v("small", "s1", delay_release=1))
+      p.kernel("small", "small+delay+st6", m, _v("small", "s2", delay_release=1, max_concurrent_steps=6))
+
+  if "prefill" in groups:
+    m = 4096
+    p.kernel("prefill", "prefill", m, tuning.BUCKETS["prefill"])
+    p.kernel("prefill", "+delay", m, _v("prefill", "p1", delay_release=1))
+    p.kernel("prefill", "+delay+g4", m, _v("prefill", "p2", delay_release=1, split_group=4))
+    p.kernel("prefill", "+delay+g8", m, _v("prefill", "p3", delay_release=1, split_group=8))
+    p.kernel("prefill", "+delay+g16", m, _v("prefill", "p4", delay_release=1, split_group=16))
+    p.kernel("prefill", "+delay+st4", m, _v("prefill", "p5", delay_release=1, max_concurrent_steps=4))
+    p.kernel("prefill", "+delay+3wg", m, _v("prefill", "p6", delay_release=1, num_compute_wgs=3, max_concurrent_steps=4))
+    p.kernel("prefill", "skip-epi", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
+    p.kernel("prefill", "+delay skip-epi", m, _v("prefill", "p1", delay_release=1), diag=("skip_epilogue",))
+    sets = [(h, p.w) for h, _ in p.sets(m)]
+    p.generic("prefill", "gemm-bf16", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
+  if "large" in groups:
+    m = 16384
+    p.kernel("large", "prefill", m, tuning.BUCKETS["prefill"])
+    p.kernel("large", "+delay", m, _v("prefill", "p1", delay_release=1))
+    p.kernel("large", "+delay+g8", m, _v("prefill", "p3", delay_release=1, split_group=8))
+    p.kernel("large", "+delay+g16", m, _v("prefill", "p4", delay_release=1, split_group=16))
+
+  if "serving" in groups:
+    m = 4096
+    p.kernel("serving", "slots1", m, _v("prefill", "l1", logits_slots=1), return_logits=True)
+    p.kernel("serving", "slots2", m, _v("prefill", "l2", logits_slots=2), return_logits=True)
+    p.kernel("serving", "delay+slots2", m, _v("prefill", "l3", delay_release=1, logits_slots=2), return_logits=True)
+    p.kernel("serving", "delay+slots3", m, _v("prefill", "l4", delay_release=1, logits_slots=3), return_logits=True)
+
+  if "backward" in groups:
+    m = 4096
+    sets = p.sets(m)
+    lse = jnp.full((m,), 12.0, F32)
+    ones = jnp.ones((m,), F32)
+    for chunk in (4096, 8192, 16384, 32768):
+      f = jax.jit(lambda h, w, t, c=chunk: grad.backward(h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None,
+                                                          vocab_size=V_REAL, chunk=c))
+      p.generic("backward", f"chunk{chunk}", m, f, [(h, p.w, t) for h, t in sets], calls=2)
+
+  print("\n| group | name | M | median ms | min | max | TFLOP/s | bits |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in p.rows:
+    if "error" in r:
+      print(f"| {r['group']} | {r['name']} | {r['m']} | ERROR {r['error'][:80]} |")
+    else:
+      print(f"| {r['group']} | {r['name']} | {r['m']} | {r['median_ms']:.4f} | {r['min_ms']:.4f} | {r['max_ms']:.4f} | "
+            f"{r.get('tflops', 0):.0f} | {r.get('bits', '')} |")
+
+
+if __name__ == "__main__":
+  app.run(main)
