@@ -32,7 +32,8 @@ from detlogp_jax import api, contract as C, grad
 from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"], "Experiment groups.")
+flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
+                  "Experiment groups (also: epi, epi_large, epi_small).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -139,7 +140,7 @@ class Probe:
       arg_sets = [(a[0], self.w, a[1], a[2]) for a in arg_sets]
       out, res = _time(run, arg_sets, _calls(m), self.samples)
       extra = {"cfg": tuning.describe(cfg), "diag": list(diag), "wall_s": time.perf_counter() - t0}
-      if not diag:
+      if set(diag) <= {"zero_first", "mask_always"}:
         key = ref_key or (m, return_logits)
         bits = [np.asarray(x) for x in out[:2]]
         if key not in self.ref_bits:
@@ -238,6 +239,41 @@ def main(argv):
     p.kernel("prefill", "+delay skip-epi", m, _v("prefill", "p1", delay_release=1), diag=("skip_epilogue",))
     sets = [(h, p.w) for h, _ in p.sets(m)]
     p.generic("prefill", "gemm-bf16", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
+  if "epi" in groups:
+    m = 4096
+    old = ("zero_first", "mask_always")
+    p.kernel("epi", "old(zero_first,mask_always)", m, tuning.BUCKETS["prefill"], diag=old)
+    p.kernel("epi", "new", m, tuning.BUCKETS["prefill"])
+    p.kernel("epi", "zero_first", m, tuning.BUCKETS["prefill"], diag=("zero_first",))
+    p.kernel("epi", "mask_always", m, tuning.BUCKETS["prefill"], diag=("mask_always",))
+    p.kernel("epi", "new no_hit", m, tuning.BUCKETS["prefill"], diag=("no_hit",))
+    p.kernel("epi", "new no_exp", m, tuning.BUCKETS["prefill"], diag=("no_exp",))
+    p.kernel("epi", "old no_mask", m, tuning.BUCKETS["prefill"], diag=("zero_first", "no_mask"))
+    p.kernel("epi", "skip_epilogue", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
+    p.kernel("epi", "new+g8", m, _v("prefill", "p7", split_group=8))
+    p.kernel("epi", "new+delay", m, _v("prefill", "p1", delay_release=1))
+    p.kernel("epi", "new st4", m, _v("prefill", "p8", max_concurrent_steps=4))
+    p.kernel("epi", "new st6", m, _v("prefill", "p9", max_concurrent_steps=6))
+
+  if "epi_large" in groups:
+    m = 16384
+    p.kernel("epi_large", "new", m, tuning.BUCKETS["prefill"])
+    p.kernel("epi_large", "new+g8", m, _v("prefill", "p7", split_group=8))
+    p.kernel("epi_large", "new+g4", m, _v("prefill", "p10", split_group=4))
+    p.kernel("epi_large", "new+g16", m, _v("prefill", "p11", split_group=16))
+
+  if "epi_small" in groups:
+    for m in (1, 64):
+      p.kernel("epi_small", "decode new", m, tuning.BUCKETS["decode"])
+      p.kernel("epi_small", "decode old", m, tuning.BUCKETS["decode"], diag=("zero_first", "mask_always"))
+    for m in (256, 1024):
+      p.kernel("epi_small", "natural new", m, tuning.select_bucket(m))
+      p.kernel("epi_small", "natural old", m, tuning.select_bucket(m), diag=("zero_first", "mask_always"))
+    m = 4096
+    p.kernel("epi_small", "serving new slots2", m, _v("prefill", "l2", logits_slots=2), return_logits=True)
+    p.kernel("epi_small", "serving new slots1", m, _v("prefill", "l1", logits_slots=1), return_logits=True)
+    p.kernel("epi_small", "serving new slots3", m, _v("prefill", "l5", logits_slots=3), return_logits=True)
 
   if "large" in groups:
     m = 16384

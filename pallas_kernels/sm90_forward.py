@@ -210,7 +210,10 @@ def build_forward(
 
   `diag` (timing experiments only, NOT contract-keeping): "skip_epilogue"
   drops the chain (the accumulator is still read and zeroed), to measure
-  what the epilogue costs.
+  what the epilogue costs; "no_hit", "no_exp", "no_mask" drop those parts of
+  the chain (`tile_math.chain_tile`); "zero_first" zeroes the accumulator
+  before the chain instead of after it; "mask_always" applies the padding
+  masks on every tile instead of only on tiles that reach past the limit.
   """
   bm = cfg.block_m
   n_wg = cfg.num_compute_wgs
@@ -236,6 +239,9 @@ def build_forward(
   sg = cfg.split_group
   n_items = n_local * n_rb
   skip_epilogue = "skip_epilogue" in diag
+  zero_first = "zero_first" in diag
+  mask_always = "mask_always" in diag
+  chain_diag = tuple(x for x in diag if x in ("no_hit", "no_exp", "no_mask"))
 
   def kernel(*refs):
     if has_bias:
@@ -321,7 +327,8 @@ def build_forward(
           if delay and not interpret:
             plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
           z_all = acc_ref[...]
-          _zero_acc(acc_ref, bm, gcols, interpret)
+          if zero_first or skip_epilogue:
+            _zero_acc(acc_ref, bm, gcols, interpret)
           if skip_epilogue:
             return m, s, zt
           invt_b = jnp.broadcast_to(invt[:, None], (bm, TILE))
@@ -336,7 +343,23 @@ def build_forward(
               b = _load(b_gmem.at[pl.ds(tcol0 - c0, TILE)], col_l, interpret)
               z = ops.add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
             col = col_iota + tcol0
-            m, s, z_hit = tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret)
+
+            def chain(m, s, z, col, masked):
+              return tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret,
+                                          masked=masked, diag=chain_diag)
+
+            if mask_always:
+              m, s, z_hit = chain(m, s, z, col, True)
+            else:
+              # Only tiles reaching past the chain's limit (the vocab's or the
+              # split's end) need the padding masks; on all others they are
+              # identities. The branch is uniform across the CTA.
+              m, s, z_hit = lax.cond(
+                  (tile + 1) * TILE <= limit,
+                  lambda m, s, z, col: chain(m, s, z, col, False),
+                  lambda m, s, z, col: chain(m, s, z, col, True),
+                  m, s, z, col,
+              )
             row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
             zt = jnp.where(row_hit, z_hit, zt)
             if return_logits:
@@ -359,6 +382,8 @@ def build_forward(
                 plgpu.copy_smem_to_gmem(
                     out_smem.at[wg, slot], lg_out.at[pl.ds(wrow, bm), pl.ds(tcol0 - c0, TILE)]
                 )
+          if not zero_first:
+            _zero_acc(acc_ref, bm, gcols, interpret)
           return m, s, zt
 
         def mma_body(idxs, h_smem, w_smem, carry):

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Compiles the prefill forward kernel once with Mosaic GPU's dump enabled and
+# prints ptxas resource lines (registers, spills) of every kernel compiled.
+# Usage (on the GPU machine): bash benchmarks/dump_ptxas.sh <out_dir> [diag,...]
+set -u
+out=${1:-/tmp/mosaic_dump}
+mkdir -p "$out"
+MOSAIC_GPU_DUMP_TO="$out" PYTHONPATH=. python3 - "${2:-}" <<'PY'
+import sys, jax, jax.numpy as jnp
+from benchmarks import probe_kernel as pk
+from pallas_kernels import tuning
+diag = tuple(x for x in sys.argv[1].split(",") if x)
+run, prep = pk._kernel_fn(4096, tuning.BUCKETS["prefill"], diag=diag)
+h, t = pk._inputs(4096, 1)
+a = prep(h, t)
+jax.block_until_ready(run(a[0], pk._weight(), a[1], a[2]))
+print("compiled", diag)
+PY
+ls "$out" | head -20
+grep -h -i -E "registers|spill|stack" "$out"/*ptxas* 2>/dev/null | sort | uniq -c | head -20
