@@ -62,8 +62,11 @@ BUCKETS: dict[str, LaunchConfig] = {
     "decode": LaunchConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=6, ctas_per_sm=1),
     # Two consumer warpgroups, 64 rows each.
     "small": LaunchConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
-    # Large M: 2 x 64 rows per CTA, deeper pipeline.
-    "prefill": LaunchConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=5, ctas_per_sm=1),
+    # Large M: 2 x 64 rows per CTA, deeper pipeline; work items in groups of 4
+    # splits so the CTAs running at once share hidden rows in L2 (M=16384 on an
+    # H200: 35.8 ms vs 39.8 ms with row blocks fastest, benchmarks/probe_kernel.py).
+    "prefill": LaunchConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=5, ctas_per_sm=1,
+                            split_group=4),
 }
 
 # Shared memory the TMA pipeline may use per CTA (H200: 227 KiB per block;
