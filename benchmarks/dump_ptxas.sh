@@ -10,7 +10,10 @@ import sys, jax, jax.numpy as jnp
 from benchmarks import probe_kernel as pk
 from pallas_kernels import tuning
 diag = tuple(x for x in sys.argv[1].split(",") if x)
-run, prep = pk._kernel_fn(4096, tuning.BUCKETS["prefill"], diag=diag)
+import dataclasses, os
+cfg = tuning.BUCKETS["prefill"]
+if os.environ.get("OVERLAP"): cfg = dataclasses.replace(cfg, overlap_epilogue=True)
+run, prep = pk._kernel_fn(4096, cfg, diag=diag)
 h, t = pk._inputs(4096, 1)
 a = prep(h, t)
 jax.block_until_ready(run(a[0], pk._weight(), a[1], a[2]))

@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small).")
+                  "Experiment groups (also: epi, epi_large, epi_small, overlap).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -274,6 +274,15 @@ def main(argv):
     p.kernel("epi_small", "serving new slots2", m, _v("prefill", "l2", logits_slots=2), return_logits=True)
     p.kernel("epi_small", "serving new slots1", m, _v("prefill", "l1", logits_slots=1), return_logits=True)
     p.kernel("epi_small", "serving new slots3", m, _v("prefill", "l5", logits_slots=3), return_logits=True)
+
+  if "overlap" in groups:
+    for m in (4096, 16384, 1024, 256, 64, 1):
+      base = tuning.select_bucket(m)
+      p.kernel("overlap", base.name, m, base)
+      p.kernel("overlap", base.name + "+overlap", m, dataclasses.replace(base, name="o", overlap_epilogue=True))
+    m = 4096
+    p.kernel("overlap", "serving", m, tuning.BUCKETS["prefill"], return_logits=True)
+    p.kernel("overlap", "serving+overlap", m, _v("prefill", "o", overlap_epilogue=True), return_logits=True)
 
   if "large" in groups:
     m = 16384

@@ -9,9 +9,47 @@ Contract kept (`detlogp_jax.oracle.fold` is the spec), per row:
   target >= vocab_size -> NaN.
 Every f32 op is one rounded op with FTZ (`ptx_ops.PtxOps` on the GPU,
 `ptx_ops.InterpretOps` in interpret mode); the sequential order over splits
-is fixed and independent of N, the row block and the grid. Rows are
-independent: a CTA folds `FOLD_ROWS` rows held one per thread (WG_STRIDED
-layout), so no cross-thread arithmetic exists at all.
+is fixed and independent of N, the row block, the grid and every knob below.
+Rows are independent: no row's bits depend on any other row.
+
+Two layouts of the same program (`build_fold(staged=...)`):
+
+* staged=True (default): a CTA (one warpgroup) folds `rows` (32 or 64) rows.
+  All of its partials are first brought into shared memory by TMA (chunks
+  of `chunk` splits, one mbarrier per chunk, so pass 1 starts on the first
+  chunk while the rest is in flight). The 128 threads are G = 128 / rows
+  split groups x rows: thread (g, r) handles row r and splits j = g, g + G,
+  g + 2G, ... (a [G, rows] register array in WG_STRIDED layout is exactly
+  the contiguous SMEM block of splits k*G .. k*G+G-1, so every access is a
+  plain contiguous view). Per row:
+    pass 1: each group takes the exact max of its splits; the G partial
+            maxima are exchanged through SMEM, so every thread of the row
+            holds M = the row's max (max is exact and, as `max.NaN.f32`,
+            order-free; see below for +-0);
+    pass 2: each group computes its terms t_j = fl(S_j * w_j) with that M
+            (independent across j) and writes them over S_j in SMEM;
+    chain:  the g = 0 thread of the row sums t_0, t_1, ..., t_{n_split-1}
+            in ascending order, S = fl(S + t_j), starting from +0; the
+            other groups run the same instructions on shifted (unused)
+            data; then the epilogue, and the g = 0 results go to global
+            memory through SMEM and a TMA store.
+  So each rounded op of a row is the same op on the same operands, in the
+  same order, as in the spec: only where the independent work runs moved.
+  The partial-max exchange computes max over the same set of values in a
+  rotated order per thread; on the GPU `max.NaN.f32` gives the same bits in
+  any order (canonical NaN, +0 > -0). Where a different order could pick a
+  different zero sign (interpret mode), M = +-0 cannot change an output bit:
+  m_j == M ignores the sign, fl(m_j - M) for m_j != M differs only between
+  +-0 (FTZ of a negative subnormal m_j) and pexp(+-0) = 1 either way, and
+  fl(+-0 + plog(S)) is the same because plog never returns -0.
+  The split count needs no padding: a step past the last split masks the
+  missing groups with -inf in pass 1 (max(x, -inf) == x) and its terms land
+  in SMEM rows the chain of a g = 0 thread never reads.
+  Work per thread drops from n_split to n_split / G splits, and every load
+  in the compute loops hits SMEM, not global memory.
+* staged=False: the previous layout, one row per thread (FOLD_ROWS = 128
+  rows per CTA), both passes loading m_j / s_j straight from global memory,
+  `unroll` splits per loop trip. Kept for timing comparisons; same bits.
 """
 
 from __future__ import annotations
@@ -28,12 +66,199 @@ from detlogp_jax import contract as C
 from pallas_kernels import ptx_ops, tile_math
 
 F32 = jnp.float32
-FOLD_ROWS = 128  # rows per CTA: one row per thread of one warpgroup (bit-neutral)
-UNROLL = 8  # default splits per loop trip (bit-neutral: the order of the sum is unchanged)
+FOLD_ROWS = 128  # rows per CTA of staged=False; a row padding that suits every variant (bit-neutral)
+UNROLL = 8  # splits per loop trip: staged=False both passes, staged=True the chain (bit-neutral)
+STAGED = True  # default layout (see the module docstring)
+ROWS = 32  # rows per CTA of staged=True (32 or 64; bit-neutral)
+CHUNK = 64  # splits per TMA copy of staged=True (a multiple of 128 / rows, <= 256; bit-neutral)
+SMEM_LIMIT = 200 * 1024  # staged=True keeps all partials of its rows in SMEM; above this, use staged=False
 
 
-def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None, unroll: int = UNROLL):
+def row_block(*, staged: bool = STAGED, rows: int = ROWS) -> int:
+  """Rows per CTA of a variant (n_pad must be a multiple of it)."""
+  return rows if staged else FOLD_ROWS
+
+
+def staged_fits(n_split: int, rows: int = ROWS) -> bool:
+  """Whether staged=True can hold n_split splits of `rows` rows in SMEM."""
+  g = 128 // rows
+  k = -(-n_split // g)
+  return 2 * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
+
+
+def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None,
+               unroll: int = UNROLL, staged: bool = STAGED, rows: int = ROWS, chunk: int = CHUNK):
   """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse)."""
+  kw = {}
+  if interpret:
+    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
+  if staged:
+    return _build_staged(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll,
+                         rows=rows, chunk=chunk, kw=kw)
+  return _build_rowloop(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll, kw=kw)
+
+
+def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size):
+  """lse, logp of a row from its S, M and target inputs (the spec's last lines)."""
+  lse = ops.add(big_m, tile_math.plog(acc, ops))
+  y_t = ops.mul(zt, invt)
+  d = ops.sub(y_t, lse)
+  logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
+  logp = jnp.where(tgt == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
+  bad = ((tgt < 0) & (tgt != C.IGNORE_INDEX)) | (tgt >= vocab_size)
+  logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
+  return logp, lse
+
+
+def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw):
+  if rows not in (32, 64):
+    # rows * 4 bytes per TMA row must be a multiple of 128 (the per-thread
+    # arrival split of Pallas' TMA), and rows = 128 would not fit in SMEM.
+    raise ValueError(f"staged fold: rows must be 32 or 64, got {rows}")
+  br = rows
+  g_n = 128 // br  # split groups per row
+  assert n_pad % br == 0, (n_pad, br)
+  if chunk % g_n or not 0 < chunk <= 256:
+    raise ValueError(f"staged fold: chunk must be a multiple of {g_n} in (0, 256], got {chunk}")
+  if not staged_fits(n_split, br):
+    raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
+  n_steps = -(-n_split // g_n)  # G splits per step
+  smem_rows = n_steps * g_n + g_n  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
+  n_chunks = -(-n_split // chunk)
+  n_full = n_split // chunk  # chunks of exactly `chunk` splits; then one partial chunk if any
+  shape = (g_n, br)
+  layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
+
+  def load(ref):
+    if interpret:
+      return ref[...]
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+  def cast(x):
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+  def sync():
+    # Every thread's SMEM stores visible to every thread of the warpgroup.
+    # (The kernel runs with unsafe_no_auto_barriers, so that the stores in
+    # pass 2 do not each cost two warpgroup barriers and a schedule fence.)
+    plgpu.commit_smem()
+
+  def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref,
+             m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in):
+    r0 = lax.axis_index("rows") * br
+    cols = pl.ds(r0, br)
+
+    def chunk_splits(c):
+      return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
+
+    # All copies are issued up front: row inputs (tiny), all of m, all of s.
+    for src, dst in ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in)):
+      plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
+    for c in range(n_chunks):
+      plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
+    for c in range(n_chunks):
+      plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
+
+    def over_chunks(bars, step, carry):
+      """step(j0, n_valid, carry) for j0 = 0, G, 2G, ... in ascending order, chunk by chunk."""
+      def chunk_body(c, carry):
+        plgpu.barrier_wait(bars.at[c])
+        for u in range(chunk // g_n):
+          carry = step(c * chunk + u * g_n, g_n, carry)
+        return carry
+
+      if n_full:
+        carry = lax.fori_loop(0, n_full, chunk_body, carry)
+      if n_chunks > n_full:
+        plgpu.barrier_wait(bars.at[n_full])
+        for j0 in range(n_full * chunk, n_split, g_n):
+          carry = step(j0, min(g_n, n_split - j0), carry)
+      return carry
+
+    group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
+
+    # Pass 1: per group, the exact max over its splits (from -inf, which
+    # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
+    def max_step(j0, n_valid, pm):
+      x = load(m_s.at[pl.ds(j0, g_n)])
+      if n_valid < g_n:
+        x = jnp.where(group < n_valid, x, jnp.asarray(-jnp.inf, F32))
+      return jnp.maximum(pm, x)
+
+    pm = over_chunks(bar_m, max_step, cast(jnp.full(shape, -jnp.inf, F32)))
+    # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
+    # (g, r), the partial max of group (g + d) mod G of row r.
+    x2.at[pl.ds(0, g_n)][...] = pm
+    x2.at[pl.ds(g_n, g_n)][...] = pm
+    sync()
+    big_m = pm
+    for d in range(1, g_n):
+      big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
+
+    plgpu.barrier_wait(bar_in)
+    invt = load(i_in)
+    ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
+
+    # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
+    # rewrites only what it read). Terms past n_split are never summed.
+    def term_step(j0, n_valid, carry):
+      del n_valid
+      sl = pl.ds(j0, g_n)
+      m_j = load(m_s.at[sl])
+      s_j = load(s_s.at[sl])
+      w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
+      s_s.at[sl][...] = ops.mul(s_j, w)
+      return carry
+
+    over_chunks(bar_s, term_step, jnp.int32(0))
+    sync()
+
+    # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
+    def add_splits(j0, count, acc):
+      for u in range(count):
+        acc = ops.add(acc, load(s_s.at[pl.ds(j0 + u, g_n)]))
+      return acc
+
+    n_trips = n_split // unroll
+    acc = cast(jnp.zeros(shape, F32))
+    if n_trips:
+      acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
+    if n_split - n_trips * unroll:
+      acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
+
+    logp, lse = _epilogue(acc, big_m, load(z_in), load(t_in), invt, ops, vocab_size)
+    o_l[...] = logp
+    o_s[...] = lse
+    sync()
+    plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
+    plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = (
+      plgpu.SMEM((smem_rows, br), F32),  # m
+      plgpu.SMEM((smem_rows, br), F32),  # s, then the terms
+      plgpu.SMEM((2 * g_n, br), F32),  # partial max exchange
+      plgpu.SMEM(shape, F32),  # z_t (row 0)
+      plgpu.SMEM(shape, jnp.int32),  # targets (row 0)
+      plgpu.SMEM(shape, F32),  # inv_t (row 0)
+      plgpu.SMEM(shape, F32),  # logp out (row 0 is stored)
+      plgpu.SMEM(shape, F32),  # lse out
+      plgpu.Barrier(num_barriers=n_chunks),
+      plgpu.Barrier(num_barriers=n_chunks),
+      plgpu.Barrier(num_arrivals=3),
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
+      scratch_types=scratch,
+      grid=(n_pad // br,),
+      grid_names=("rows",),
+      compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
+      **kw,
+  )
+
+
+def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
   br = FOLD_ROWS
   assert n_pad % br == 0
   layout = plgpu.Layout.WG_STRIDED((br,), vec_size=1)
@@ -52,7 +277,7 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
     ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=load(invt_ref.at[rows]))
 
     # Both passes walk the splits in ascending order. They are unrolled by
-    # UNROLL splits per loop trip: the loads and exps of a trip are
+    # `unroll` splits per loop trip: the loads and exps of a trip are
     # independent of the running value, so their latency overlaps; the
     # running max / sum still consumes splits strictly one after another.
     def blocks(first, body, init):
@@ -81,20 +306,11 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
       return acc
 
     acc = blocks(0, sum_body, cast(jnp.zeros((br,), F32)))
-    lse = ops.add(big_m, tile_math.plog(acc, ops))
-    tgt = load(tgt_ref.at[rows])
-    y_t = ops.mul(load(zt_ref.at[rows]), load(invt_ref.at[rows]))
-    d = ops.sub(y_t, lse)
-    logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
-    logp = jnp.where(tgt == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
-    bad = ((tgt < 0) & (tgt != C.IGNORE_INDEX)) | (tgt >= vocab_size)
-    logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
+    logp, lse = _epilogue(acc, big_m, load(zt_ref.at[rows]), load(tgt_ref.at[rows]), load(invt_ref.at[rows]), ops,
+                          vocab_size)
     logp_ref.at[rows][...] = logp
     lse_ref.at[rows][...] = lse
 
-  kw = {}
-  if interpret:
-    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
@@ -105,16 +321,31 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
   )
 
 
-@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "unroll"))
+_KNOBS = ("unroll", "staged", "rows", "chunk")
+
+
+@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params") + _KNOBS)
 def _fold_core(*args, **static):
   """The fold launch, jitted on the padded row count (shared across N)."""
   return build_fold(**static)(*args)
 
 
-def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None):
-  """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N])."""
+def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None,
+                    **knobs):
+  """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]).
+
+  `knobs`: build_fold's unroll / staged / rows / chunk (bit-neutral; defaults
+  are the module constants; staged falls back to False where it cannot fit).
+  """
+  unknown = set(knobs) - set(_KNOBS)
+  if unknown:
+    raise TypeError(f"unknown fold knobs {sorted(unknown)}")
   n_split, n = mT.shape
-  n_pad = -(-max(n, 1) // FOLD_ROWS) * FOLD_ROWS
+  knobs = {"unroll": UNROLL, "staged": STAGED, "rows": ROWS, "chunk": CHUNK, **knobs}
+  if knobs["staged"] and not staged_fits(n_split, knobs["rows"]):
+    knobs["staged"] = False
+  br = row_block(staged=knobs["staged"], rows=knobs["rows"])
+  n_pad = -(-max(n, 1) // br) * br
   pad = n_pad - n
 
   def p(x, val):
@@ -127,19 +358,20 @@ def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: 
       p(targets.astype(jnp.int32), C.IGNORE_INDEX),
       p(inv_t.astype(F32), 1.0),
       n_split=n_split, n_pad=n_pad, vocab_size=int(vocab_size), interpret=interpret, interpret_params=interpret_params,
-      unroll=UNROLL,
+      **knobs,
   )
   return logp[:n], lse[:n]
 
 
-def fold(m, s, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None):
+def fold(m, s, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None, **knobs):
   """Merges split partials m, s [N, n_split] in ascending split order -> (logp [N], lse [N]).
 
   Same contract as `detlogp_jax.oracle.fold`. `z_t` is the raw (unscaled,
-  post-bias) target logit; `inv_t` = fl(1/T) per row.
+  post-bias) target logit; `inv_t` = fl(1/T) per row. `knobs`: see
+  `fold_transposed` (bit-neutral).
   """
   m = jnp.asarray(m, F32)
   if m.ndim != 2:
     raise ValueError(f"m must be [N, n_split], got {m.shape}")
   return fold_transposed(m.T, jnp.asarray(s, F32).T, jnp.asarray(z_t), jnp.asarray(targets), jnp.asarray(inv_t), vocab_size,
-                         interpret=interpret, interpret_params=interpret_params)
+                         interpret=interpret, interpret_params=interpret_params, **knobs)

@@ -51,6 +51,10 @@ from pallas_kernels import ptx_ops, tile_math, tuning
 F32 = jnp.float32
 TILE = C.TILE_V
 TILE_K = 64  # K slice per pipeline step: 64 bf16 = 128 bytes = one 128B swizzle row.
+# overlap_epilogue: pieces of one tile's chain (A, EXP_PIECES exp pieces, C).
+EXP_PIECES = 4
+SLICES_PER_PIECE = 8 // EXP_PIECES
+PIECES_PER_TILE = 2 + EXP_PIECES
 SWIZZLE = 128
 
 
@@ -232,7 +236,12 @@ def build_forward(
   n_local = geom.n_local
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
   row_l, col_l = _row_layout(), _col_layout()
-  extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
+  n_pieces = w * PIECES_PER_TILE
+  overlap = cfg.overlap_epilogue and k_iters >= n_pieces + 2 and not diag
+  if overlap:
+    extra_smem = tuning.overlap_dump_bytes(cfg, w)  # the logits TMA stores read the dump itself
+  else:
+    extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
   stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
   delay = cfg.delay_release if stages > cfg.delay_release else 0
   slots = cfg.logits_slots
@@ -280,17 +289,174 @@ def build_forward(
             h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, w_span), :]
         ),
     )
-    if return_logits:
-      # TMA needs the logits row length to be a multiple of the staging
-      # tile's minor tiling (swizzle bytes / 4 f32): pick the widest swizzle
-      # that divides it (v_rows is a multiple of 8, so 32B always works).
-      lg_swz = next(sw for sw in (128, 64, 32) if v_rows % (sw // 4) == 0)
-      lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
+    # TMA needs the logits row length to be a multiple of the staging tile's
+    # minor tiling (swizzle bytes / 4 f32): pick the widest swizzle that
+    # divides it (v_rows is a multiple of 8, so 32B always works).
+    lg_swz = next(sw for sw in (128, 64, 32) if v_rows % (sw // 4) == 0) if return_logits else 128
+    lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
+    if overlap:
+      scoped["dump"] = plgpu.SMEM((n_wg, w, bm, TILE), F32, transforms=lg_transforms)
+    elif return_logits:
       scoped["out_smem"] = plgpu.SMEM((n_wg, slots, bm, TILE), F32, transforms=lg_transforms)
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem=None):
+    def _scope(pipeline_allocs, out_smem=None, dump=None):
       wg = lax.axis_index("wg")
+
+      def _overlapped_item(js, t0, t1, row0, wrow0, limit, dump, pipeline_allocs):
+        """One work item with the chain of group g run in pieces under group g+1's wgmmas.
+
+        At the last K step of a group the warpgroup copies its accumulator
+        (plus the bias, z = fl(acc + b)) to `dump` (and, for the serving entry,
+        TMA-stores the logits tiles from there). During the first `n_pieces` K steps of the next group, between
+        the wgmma issue and its wait, it runs one piece per step: per tile,
+        (A) y = fl(z * inv_t) [masked], m' and alpha, the target capture;
+        (B) EXP_PIECES pieces of e = pexp(y - m') [masked] and the in-thread +
+        2-shuffle sums of two 8-column slices each; (C) the pinned pairwise
+        adds of the eight slice sums and S = fl(fl(S * alpha) + tree). These
+        are exactly `tile_math.chain_tile`'s operations in its order; only
+        their placement in time changes. The last group's pieces run after
+        the pipeline.
+        """
+        wrow = row0 + wg * bm
+        ops_box = {}
+        row_cast = lambda x: _cast(x, row_l, interpret)
+        tile_cast = lambda x: _cast(x, plgpu.Layout.WGMMA, interpret)
+
+        def tile_info(gp, i):
+          tile = t0 + gp * w + i
+          return tile, tile * TILE, (tile + 1) * TILE <= limit
+
+        def slice_sum(e):
+          if interpret:  # explicit adjacent pairwise tree (XLA's reduce order is unspecified)
+            cols = [e[:, c] for c in range(8)]
+            while len(cols) > 1:
+              cols = [ops_box["ops"].add(cols[2 * q], cols[2 * q + 1]) for q in range(len(cols) // 2)]
+            return cols[0]
+          return jnp.sum(e, axis=1)  # ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)), see tile_math.tree64
+
+        def piece_a(i, gp, st):
+          ops, tgt, invt_b, col_iota = ops_box["ops"], ops_box["tgt"], ops_box["invt_b"], ops_box["col_iota"]
+          m, s, zt, y, mn, al, *parts = st
+          tile, tcol0, full = tile_info(gp, i)
+          z = dump.at[wg, i][...]  # post-bias logits of the tile
+          col = col_iota + tcol0
+          yv = ops.mul(z, invt_b)
+          y = lax.cond(full, lambda yv, col: tile_cast(yv),
+                       lambda yv, col: tile_cast(jnp.where(col < limit, yv, jnp.asarray(-jnp.inf, F32))), yv, col)
+          mn = jnp.maximum(m, jnp.max(y, axis=1))
+          al = jnp.where(m == mn, jnp.asarray(1.0, F32), ops.exp_diff(m, mn))
+          tgt_b = jnp.broadcast_to(tgt[:, None], (bm, TILE))
+          z_hit = jnp.max(jnp.where(col == tgt_b, z, jnp.asarray(-jnp.inf, F32)), axis=1)
+          row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
+          zt = jnp.where(row_hit, z_hit, zt)
+          return (row_cast(m), row_cast(s), row_cast(zt), tile_cast(y), row_cast(mn), row_cast(al),
+                  *map(row_cast, parts))
+
+        def piece_b(i, q, gp, st):
+          ops, col_iota = ops_box["ops"], ops_box["col_iota"]
+          m, s, zt, y, mn, al, *parts = st
+          tile, tcol0, full = tile_info(gp, i)
+          m_b = jnp.broadcast_to(mn[:, None], (bm, 8))
+          js_ = range(q * SLICES_PER_PIECE, (q + 1) * SLICES_PER_PIECE)
+
+          def sums(masked):
+            out = []
+            for jj in js_:
+              e = ops.exp_diff(y[:, 8 * jj : 8 * jj + 8], m_b)
+              if masked:
+                col = col_iota[:, 8 * jj : 8 * jj + 8] + tcol0
+                e = jnp.where(col < limit, e, jnp.asarray(0.0, F32))
+              out.append(row_cast(slice_sum(e)))
+            return tuple(out)
+
+          new = lax.cond(full, lambda: sums(False), lambda: sums(True))
+          parts = list(parts)
+          for jj, v in zip(js_, new):
+            parts[jj] = v
+          return (m, s, zt, y, mn, al, *parts)
+
+        def piece_c(i, gp, st):
+          ops = ops_box["ops"]
+          m, s, zt, y, mn, al, *parts = st
+          cols = list(parts)
+          while len(cols) > 1:
+            cols = [ops.add(cols[2 * q], cols[2 * q + 1]) for q in range(len(cols) // 2)]
+          s = ops.add(ops.mul(s, al), cols[0])
+          return (row_cast(mn), row_cast(s), zt, y, mn, al, *parts)
+
+        pieces = []
+        for i in range(w):
+          pieces.append(functools.partial(piece_a, i))
+          pieces += [functools.partial(piece_b, i, q) for q in range(EXP_PIECES)]
+          pieces.append(functools.partial(piece_c, i))
+        assert len(pieces) == n_pieces
+
+        def dump_group(acc_ref, g):
+          z_all = acc_ref[...]
+          if return_logits:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last group's stores have read the dump
+          for i in range(w):
+            z = z_all[:, i * TILE : (i + 1) * TILE]
+            if has_bias:  # z = fl(acc + b): the dump holds the post-bias logits
+              b = _load(b_gmem.at[pl.ds((t0 + g * w + i) * TILE - c0, TILE)], col_l, interpret)
+              z = ops_box["ops"].add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
+            dump.at[wg, i][...] = z
+          _zero_acc(acc_ref, bm, gcols, interpret)
+          if return_logits:
+            plgpu.commit_smem()
+            for i in range(w):
+              tile = t0 + g * w + i
+
+              @pl.when(tile < t1)
+              def _store():
+                plgpu.copy_smem_to_gmem(dump.at[wg, i], lg_out.at[pl.ds(wrow, bm), pl.ds(tile * TILE - c0, TILE)])
+
+        def mma_body(idxs, h_smem, w_smem, carry):
+          g, k = idxs
+          acc_ref, st = carry[0], carry[1:]
+          plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
+          active = (g >= 1) & (k >= 1) & (k <= n_pieces)
+          branches = [lambda gp, st: st] + [functools.partial(lambda f, gp, st: f(gp, st), f) for f in pieces]
+          st = lax.switch(jnp.where(active, k, 0), branches, g - 1, st)
+          plgpu.wgmma_wait(0)
+
+          @pl.when(k == k_iters - 1)
+          def _dump():
+            dump_group(acc_ref, g)
+
+          return (acc_ref, *st)
+
+        def compute_context(eval_pipeline):
+          tgt = _load(tgt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
+          invt = _load(invt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
+          ops = ptx_ops.make_ops(interpret, _layout_of, source=invt, fused=fused_ptx)
+          col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
+          if not interpret:
+            col_iota = plgpu.layout_cast(col_iota, plgpu.Layout.WGMMA)
+          ops_box.update(ops=ops, tgt=tgt, invt_b=jnp.broadcast_to(invt[:, None], (bm, TILE)), col_iota=col_iota)
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
+          def _acc_scope(acc_ref):
+            st = (
+                row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.zeros((bm,), F32)),
+                row_cast(jnp.zeros((bm,), F32)), tile_cast(jnp.zeros((bm, TILE), F32)),
+                row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.ones((bm,), F32)),
+                *[row_cast(jnp.zeros((bm,), F32)) for _ in range(8)],
+            )
+            _, *st = eval_pipeline((acc_ref, *st))
+            for f in pieces:  # the last group, after the pipeline
+              st = f(n_groups - 1, tuple(st))
+            m, s, zt = st[:3]
+            m_out.at[js, pl.ds(wrow, bm)][...] = m
+            s_out.at[js, pl.ds(wrow, bm)][...] = s
+            zt_out.at[js, pl.ds(wrow, bm)][...] = zt
+
+        get_pipeline(mma_body, compute_context)(
+            h_gmem.at[pl.ds(row0, cta_rows), :],
+            w_gmem.at[pl.ds(wrow0, w_span), :],
+            allocations=pipeline_allocs,
+        )
 
       @plgpu.nd_loop((n_items,), collective_axes="cta")
       def _work(info):
@@ -300,6 +466,10 @@ def build_forward(
         row0 = rb * cta_rows
         wrow0 = t0 * TILE - c0  # first weight row of this split
         limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
+
+        if overlap:
+          _overlapped_item(js, t0, t1, row0, wrow0, limit, dump, pipeline_allocs)
+          return
 
         def compute_context(eval_pipeline):
           wrow = row0 + wg * bm

@@ -19,6 +19,11 @@ is how the fixed work is laid onto the GPU:
   CTAs running at once share both operands in L2),
 * `logits_slots`: staging buffers per consumer warpgroup for the serving
   entry's FP32 logits TMA stores (stores overlap the next tiles' epilogue),
+* `overlap_epilogue`: at the end of a tile group each consumer warpgroup
+  copies its accumulator to shared memory and runs the chain of that group in
+  small pieces between the next group's wgmma issue and wait, so the tensor
+  cores stay busy (the last group of a work item runs after its pipeline);
+  the per-tile operations and their order are the same,
 
 selected by an M bucket (`decode`, `small`, `prefill`). `tiles_per_group`
 (the wgmma N width in 64-column tiles) is derived from the split geometry
@@ -49,6 +54,7 @@ class LaunchConfig:
   delay_release: int = 0  # 1: wgmma_wait(1) and release the pipeline slot one step later
   split_group: int = 0  # work order: 0 = row blocks fastest; G = G splits fastest within a group
   logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
+  overlap_epilogue: bool = False  # chain of group g runs in pieces under group g+1's wgmmas
 
   @property
   def cta_rows(self) -> int:
@@ -81,6 +87,11 @@ SMEM_LIMIT = 224 * 1024
 def logits_staging_bytes(cfg: LaunchConfig) -> int:
   """SMEM of the serving entry's FP32 logits staging tiles (64 x 64 f32 each)."""
   return cfg.num_compute_wgs * cfg.logits_slots * cfg.block_m * 64 * 4
+
+
+def overlap_dump_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
+  """SMEM holding each consumer warpgroup's finished accumulator (overlap_epilogue)."""
+  return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
 
 
 def pipeline_stages(cfg: LaunchConfig, tiles_per_group: int, tile_k: int = 64, extra_smem: int = 0) -> int:
@@ -144,7 +155,7 @@ def describe(cfg: LaunchConfig) -> str:
   return (
       f"{cfg.name}: block_m={cfg.block_m} wgs={cfg.num_compute_wgs} rows/CTA={cfg.cta_rows} "
       f"stages={cfg.max_concurrent_steps} ctas/SM={cfg.ctas_per_sm} delay_release={cfg.delay_release} "
-      f"split_group={cfg.split_group} logits_slots={cfg.logits_slots}"
+      f"split_group={cfg.split_group} logits_slots={cfg.logits_slots} overlap_epilogue={cfg.overlap_epilogue}"
   )
 
 
