@@ -5,7 +5,12 @@ p = exp(z * inv_t - lse), and
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) + g_logits,
 then dh += dz @ W_c, dW_c = dz.T @ h, db_c = sum_rows dz. Chunks are visited in
 ascending order with a fixed shape, so two runs give identical bytes; the
-backward is deterministic but not part of the frozen contract. Rows with
+backward is deterministic but not part of the frozen contract. With
+`dz_kernel` (the pallas_sm90 backend passes `pallas_kernels.sm90_backward.dz_chunk`)
+the recompute GEMM and the dz formula run in one Pallas kernel that writes dz
+as bf16, so the chunk's FP32 logits never reach device memory; otherwise XLA
+forms them. For bf16/f16 weights the dW GEMM writes the weight dtype directly
+(FP32 accumulation inside the GEMM). Rows with
 target == ignore_index (or a bad target) get no logp gradient; lse keeps its
 own. The clamp min(d, 0) is treated as the identity (d > 0 only by rounding).
 Temperature gets no gradient. For bf16/f16 models the gradient GEMMs take dz
@@ -24,7 +29,7 @@ from jax import lax
 
 from detlogp_jax import contract as C
 
-DEFAULT_CHUNK = 4096  # bit-neutral for the forward; fixes the backward's sums
+DEFAULT_CHUNK = 8192  # bit-neutral for the forward; fixes the backward's sums
 
 
 def _chunking(v_rows: int, chunk: int):
@@ -33,11 +38,20 @@ def _chunking(v_rows: int, chunk: int):
     return chunk, n_chunks
 
 
-def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, *, vocab_size: int, chunk: int = DEFAULT_CHUNK):
-    """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits)."""
+def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, *, vocab_size: int,
+             chunk: int = DEFAULT_CHUNK, dz_kernel=None):
+    """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
+
+    dz_kernel: optional fused recompute + dz kernel with the signature of
+    `pallas_kernels.sm90_backward.dz_chunk` (used only without a logits
+    cotangent and when it supports the operands and the chunk length).
+    """
     n, d = hidden.shape
     v_rows = weight.shape[0]
     chunk, n_chunks = _chunking(v_rows, chunk)
+    if dz_kernel is not None and g_logits is None and _kernel_ok(hidden, weight, chunk):
+        return _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
+                                  vocab_size=vocab_size, chunk=chunk, n_chunks=n_chunks, dz_kernel=dz_kernel)
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
     # f32 models keep f32 GEMMs; bf16/f16 models run the two gradient GEMMs on
     # dz rounded to their dtype with f32 accumulation (the usual mixed precision).
@@ -67,9 +81,7 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
             dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
         dz = jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
         dh = dh + jnp.einsum("nv,vd->nd", dz, w_c.astype(gemm_dtype), preferred_element_type=jnp.float32, precision=prec)
-        dw_c = jnp.einsum("nv,nd->vd", dz, hidden.astype(gemm_dtype), preferred_element_type=jnp.float32, precision=prec)
-        prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
-        dw = lax.dynamic_update_slice_in_dim(dw, (prev.astype(jnp.float32) + dw_c).astype(dw.dtype), start, axis=0)
+        dw = _update_dw(dw, dz, hidden.astype(gemm_dtype), start, cols >= i * chunk, prec)
         if db is not None:
             prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
             db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
@@ -82,3 +94,67 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
     )
     (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n_chunks))
     return dh.astype(hidden.dtype), dw, (None if bias is None else db.astype(bias.dtype))
+
+
+def _update_dw(dw, dz, hidden, start, fresh_rows, prec):
+    """dW[start:start+chunk] = dz.T @ h on rows seen for the first time (a clamped
+    last chunk overlaps the previous one; its repeated rows keep their value)."""
+    chunk = dz.shape[1]
+    out_dtype = jnp.float32 if dw.dtype == jnp.float32 else dw.dtype  # bf16 out, f32 accumulation
+    dw_c = jnp.einsum("nv,nd->vd", dz, hidden, preferred_element_type=out_dtype, precision=prec).astype(dw.dtype)
+    prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
+    return lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh_rows[:, None], dw_c, prev), start, axis=0)
+
+
+def _kernel_ok(hidden, weight, chunk):
+    try:
+        from pallas_kernels import sm90_backward
+    except Exception:  # pragma: no cover - Pallas GPU unavailable
+        return False
+    return hidden.dtype == jnp.bfloat16 and sm90_backward.supported(hidden, weight, chunk)
+
+
+def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, *, vocab_size, chunk, n_chunks,
+                       dz_kernel):
+    """The chunked backward with dz formed by `dz_kernel` (bf16 models, no logits cotangent).
+
+    dz = inv_t * (g_lse * p + g_logp * (onehot - p)) = c1 * p + c2 * onehot
+    with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row.
+    """
+    from pallas_kernels import sm90_backward
+
+    n, d = hidden.shape
+    v_rows = weight.shape[0]
+    n_pad = -(-n // sm90_backward.rows_multiple()) * sm90_backward.rows_multiple()
+    pad = n_pad - n
+    live = (targets >= 0) & (targets < vocab_size)
+    inv_t = inv_t.astype(jnp.float32)
+    g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)
+    c1 = inv_t * (g_lse.astype(jnp.float32) - g_logp)
+    c2 = inv_t * g_logp
+    padr = lambda x, v=0: jnp.pad(x, (0, pad), constant_values=v) if pad else x
+    # Rows with a NaN coefficient (a NaN row of the forward) stay row-local: padding rows get 0.
+    hp = jnp.pad(hidden, ((0, pad), (0, 0))) if pad else hidden
+    tp, it, lp, c1p, c2p = padr(targets.astype(jnp.int32), -1), padr(inv_t, 1.0), padr(lse.astype(jnp.float32)), padr(c1), padr(c2)
+
+    def body(carry, i):
+        dh, dw, db = carry
+        start = jnp.minimum(i * chunk, v_rows - chunk)
+        w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)
+        b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
+        dz = dz_kernel(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
+        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c, preferred_element_type=jnp.float32)
+        cols = start + jnp.arange(chunk)
+        dw = _update_dw(dw, dz, hp, start, cols >= i * chunk, None)
+        if db is not None:
+            prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
+            db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
+        return (dh, dw, db), None
+
+    init = (
+        jnp.zeros((n_pad, d), jnp.float32),
+        jnp.zeros(weight.shape, weight.dtype),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
+    (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n_chunks))
+    return dh[:n].astype(hidden.dtype), dw, (None if bias is None else db.astype(bias.dtype))

@@ -1,0 +1,80 @@
+"""The fused recompute + dz kernel of the backward (pallas_kernels.sm90_backward), interpret mode.
+
+The kernel is not part of the frozen contract: these tests check the dz formula
+against float64, that the chunked backward built on it gives the gradients of
+the XLA-formed backward (within bf16 rounding) and that two runs give identical
+bytes. The GPU run of the same checks is tests/gpu/test_grad_gpu.py.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from detlogp_jax import grad
+from tests.conftest import assert_bitwise_equal
+
+pk = pytest.importorskip("pallas_kernels.sm90_backward")
+from pallas_kernels.interpret_utils import row_invariant_wgmma  # noqa: E402
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def test_dz_chunk_matches_float64():
+    rng = np.random.default_rng(0)
+    n, d, chunk = 130, 128, 512
+    n_pad = 256
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((chunk, d)) * 0.2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(chunk) * 0.1, jnp.float32)
+    t = rng.integers(-5, chunk + 5, n).astype(np.int32)
+    invt = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T + np.asarray(b, np.float64)
+    lse = (np.log(np.exp(z * invt[:, None]).sum(1)) + 0.3).astype(np.float32)
+    c1 = rng.standard_normal(n).astype(np.float32)
+    c2 = rng.standard_normal(n).astype(np.float32)
+    lo, hi = 64, 448
+    pad = lambda x, v=0: jnp.asarray(np.pad(x, (0, n_pad - n), constant_values=v))
+    with row_invariant_wgmma():
+        dz = pk.dz_chunk(jnp.pad(h, ((0, n_pad - n), (0, 0))), w, b, pad(t, -1), pad(invt, 1), pad(lse), pad(c1),
+                         pad(c2), lo, hi, interpret=True)
+    dz = np.asarray(dz, np.float64)
+    cols = np.arange(chunk)
+    want = c1[:, None] * np.exp(z * invt[:, None] - lse[:, None]) + c2[:, None] * (cols[None, :] == t[:, None])
+    want[:, (cols < lo) | (cols >= hi)] = 0
+    assert np.abs(dz[:n] - want).max() <= 1e-2 * np.abs(want).max()
+    assert np.all(dz[:n, :lo] == 0) and np.all(dz[:n, hi:] == 0) and np.all(dz[n:] == 0)
+
+
+@pytest.mark.slow
+def test_backward_with_fused_dz_matches_xla_backward_and_is_deterministic():
+    rng = np.random.default_rng(1)
+    n, d, v_rows, vocab, chunk = 12, 64, 1280, 1200, 512  # 3 chunks, the last one clamped
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v_rows, d)) * 0.3, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(v_rows) * 0.1, jnp.float32)
+    t = rng.integers(0, vocab, n).astype(np.int32)
+    t[2], t[3], t[4] = -100, vocab - 1, 700
+    inv_t = jnp.asarray(rng.uniform(0.6, 1.4, n), jnp.float32)
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T + np.asarray(b, np.float64)
+    y = z * np.asarray(inv_t, np.float64)[:, None]
+    y[:, vocab:] = -np.inf
+    lse = jnp.asarray(np.log(np.exp(y - y.max(1, keepdims=True)).sum(1)) + y.max(1), jnp.float32)
+    g_logp = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    g_lse = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    args = (h, w, b, jnp.asarray(t), inv_t, lse, g_logp, g_lse, None)
+    want = grad.backward(*args, vocab_size=vocab, chunk=chunk)
+    kern = functools.partial(pk.dz_chunk, interpret=True)
+    with row_invariant_wgmma():
+        got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=kern)
+        again = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=kern)
+    for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
+        assert _rel(g, e) < 1e-2, (name, _rel(g, e))
+    assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0  # padding rows get nothing
+    for g, g2 in zip(got, again):
+        assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
