@@ -199,26 +199,49 @@ def main(argv):
       p.kernel("decode", "decode-skip-epi", m, tuning.BUCKETS["decode"], diag=("skip_epilogue",))
 
   if "fold" in groups:
+    # The fold alone on pre-padded split-major partials, per layout / knob
+    # (all bit-neutral): each variant pads the rows to its own row block,
+    # as fold_transposed does, and must give the bytes of the first variant.
     n_split = C.split_bounds(V_ROWS).n_split
     rng = np.random.default_rng(0)
+    variants = [
+        ("rowloop u8", dict(staged=False, unroll=8)),
+        ("staged r32 c64 u32", dict(staged=True, rows=32, chunk=64, unroll=32)),
+        ("staged r32 c64 u8", dict(staged=True, rows=32, chunk=64, unroll=8)),
+        (f"staged r32 c64 u{n_split}", dict(staged=True, rows=32, chunk=64, unroll=n_split)),
+        ("staged r32 c32 u32", dict(staged=True, rows=32, chunk=32, unroll=32)),
+        ("staged r32 c128 u32", dict(staged=True, rows=32, chunk=128, unroll=32)),
+        ("staged r64 c64 u32", dict(staged=True, rows=64, chunk=64, unroll=32)),
+    ]
     for m in (1, 64, 4096):
-      n_pad = -(-m // sm90_fold.FOLD_ROWS) * sm90_fold.FOLD_ROWS
-      mt = jnp.asarray(rng.normal(0, 3, (n_split, n_pad)), F32)
-      st = jnp.asarray(rng.uniform(1, 40, (n_split, n_pad)), F32)
-      zt = jnp.asarray(rng.normal(0, 3, (n_pad,)), F32)
-      tg = jnp.asarray(rng.integers(0, V_REAL, n_pad), jnp.int32)
-      it = jnp.ones((n_pad,), F32)
+      n_max = -(-m // sm90_fold.FOLD_ROWS) * sm90_fold.FOLD_ROWS
+      mt = jnp.asarray(rng.normal(0, 3, (n_split, n_max)), F32)
+      st = jnp.asarray(rng.uniform(1, 40, (n_split, n_max)), F32)
+      zt = jnp.asarray(rng.normal(0, 3, (n_max,)), F32)
+      tg = jnp.asarray(rng.integers(0, V_REAL, n_max), jnp.int32)
+      it = jnp.ones((n_max,), F32)
       ref = None
-      for unroll in (8, 24, 33, 66):
-        f = jax.jit(lambda a, b, c, d, e, u=unroll: sm90_fold._fold_core(
+      for name, knobs in variants:
+        rb = sm90_fold.row_block(staged=knobs["staged"], rows=knobs.get("rows", sm90_fold.ROWS))
+        n_pad = -(-m // rb) * rb
+        args = (mt[:, :n_pad], st[:, :n_pad], zt[:n_pad], tg[:n_pad], it[:n_pad])
+        f = jax.jit(lambda a, b, c, d, e, n_pad=n_pad, knobs=knobs: sm90_fold._fold_core(
             a, b, c, d, e, n_split=n_split, n_pad=n_pad, vocab_size=V_REAL, interpret=False, interpret_params=None,
-            unroll=u))
-        p.generic("fold", f"fold-unroll{unroll}", m, f, [(mt, st, zt, tg, it)])
-        out = f(mt, st, zt, tg, it)
+            **knobs))
+        try:
+          out = [np.asarray(x)[:m] for x in f(*args)]
+        except Exception:  # noqa: BLE001 - record and go on with the other variants
+          p.record("fold", name, m, {"error": traceback.format_exc(limit=3)})
+          continue
+        p.generic("fold", name, m, f, [args])
         if ref is None:
           ref = out
         elif not all(_bits_equal(a, b) for a, b in zip(out, ref)):
-          p.record("fold", f"fold-unroll{unroll}", m, {"error": "bits differ from unroll 8"})
+          p.record("fold", name, m, {"error": f"bits differ from {variants[0][0]}"})
+      # The whole fold as callers run it (row padding included), on [n_split, m].
+      for name, knobs in (("fold_transposed staged", {}), ("fold_transposed rowloop", dict(staged=False))):
+        f = jax.jit(lambda a, b, c, d, e, knobs=knobs: sm90_fold.fold_transposed(a, b, c, d, e, V_REAL, **knobs))
+        p.generic("fold", name, m, f, [(mt[:, :m], st[:, :m], zt[:m], tg[:m], it[:m])])
 
   if "small" in groups:
     for m in (256,):

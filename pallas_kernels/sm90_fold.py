@@ -7,8 +7,8 @@ Contract kept (`detlogp_jax.oracle.fold` is the spec), per row:
   lse = fl(M + plog(S)); y_t = fl(z_t * inv_t); d = fl(y_t - lse);
   logp = +0 if d > 0 else d; target == -100 -> +0; target < 0 (other) or
   target >= vocab_size -> NaN.
-Every f32 op is one rounded op with FTZ (`ptx_ops.PtxOps` on the GPU,
-`ptx_ops.InterpretOps` in interpret mode); the sequential order over splits
+Every f32 op is one rounded op with FTZ (the `ptx_ops` PTX instructions on
+the GPU, `ptx_ops.InterpretOps` in interpret mode); the sequential order over splits
 is fixed and independent of N, the row block, the grid and every knob below.
 Rows are independent: no row's bits depend on any other row.
 
@@ -46,7 +46,21 @@ Two layouts of the same program (`build_fold(staged=...)`):
   missing groups with -inf in pass 1 (max(x, -inf) == x) and its terms land
   in SMEM rows the chain of a g = 0 thread never reads.
   Work per thread drops from n_split to n_split / G splits, and every load
-  in the compute loops hits SMEM, not global memory.
+  in the compute loops hits SMEM, not global memory. (Why not one row per
+  thread with the partials streamed through SMEM: that leaves each SM
+  sub-partition one warp issuing all n_split exp programs of its 32 rows,
+  ~45 instructions each, ~12k issue cycles at n_split = 264 wherever the
+  data sits; splitting a row's splits over G threads divides that by G.)
+  Rows are padded to a multiple of `rows` (fold_transposed; bit-neutral,
+  rows are independent). Threads with g > 0 also run the epilogue, on
+  unfilled rows of the per-row input buffers; their results are never
+  stored. All partials of a CTA's rows must fit in SMEM (`staged_fits`,
+  n_split <= 764 at rows = 32, 382 at 64); beyond that fold_transposed uses
+  staged=False.
+  Code: on the GPU each block of steps (a chunk of pass 1 or pass 2, a
+  trip of the chain) is ONE `inline_mgpu` op on the SMEM view, emitting
+  the same loads and instructions the Pallas ops would (`_SmemBlocks`);
+  interpret mode runs the same steps as Pallas ops (`_InterpretBlocks`).
 * staged=False: the previous layout, one row per thread (FOLD_ROWS = 128
   rows per CTA), both passes loading m_j / s_j straight from global memory,
   `unroll` splits per loop trip. Kept for timing comparisons; same bits.
@@ -67,10 +81,12 @@ from pallas_kernels import ptx_ops, tile_math
 
 F32 = jnp.float32
 FOLD_ROWS = 128  # rows per CTA of staged=False; a row padding that suits every variant (bit-neutral)
-UNROLL = 8  # splits per loop trip: staged=False both passes, staged=True the chain (bit-neutral)
+UNROLL = 8  # staged=False: splits per loop trip of both passes (bit-neutral)
+CHAIN_UNROLL = 32  # staged=True: splits per loop trip of the chain (bit-neutral)
 STAGED = True  # default layout (see the module docstring)
 ROWS = 32  # rows per CTA of staged=True (32 or 64; bit-neutral)
-CHUNK = 64  # splits per TMA copy of staged=True (a multiple of 128 / rows, <= 256; bit-neutral)
+CHUNK = 64  # splits per TMA copy of staged=True (a multiple of 128 / rows, <= 256, raised to
+# ceil(n_split / 32) at least; bit-neutral)
 SMEM_LIMIT = 200 * 1024  # staged=True keeps all partials of its rows in SMEM; above this, use staged=False
 
 
@@ -87,8 +103,19 @@ def staged_fits(n_split: int, rows: int = ROWS) -> bool:
 
 
 def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None,
-               unroll: int = UNROLL, staged: bool = STAGED, rows: int = ROWS, chunk: int = CHUNK):
-  """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse)."""
+               unroll: int | None = None, staged: bool = STAGED, rows: int = ROWS, chunk: int = CHUNK):
+  """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
+
+  Knobs (none changes a bit): `staged` picks the layout (module docstring);
+  `unroll` = splits per loop trip (staged: of the chain, default
+  CHAIN_UNROLL; not staged: of both passes, default UNROLL); `rows` = rows
+  per CTA and `chunk` = splits per TMA copy (staged only). n_pad must be a
+  multiple of `row_block(staged=, rows=)`.
+  """
+  if unroll is None:
+    unroll = CHAIN_UNROLL if staged else UNROLL
+  if unroll < 1:
+    raise ValueError(f"unroll must be >= 1, got {unroll}")
   kw = {}
   if interpret:
     kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
@@ -120,6 +147,9 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
   assert n_pad % br == 0, (n_pad, br)
   if chunk % g_n or not 0 < chunk <= 256:
     raise ValueError(f"staged fold: chunk must be a multiple of {g_n} in (0, 256], got {chunk}")
+  # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
+  # barriers per array: raise chunk to the smallest that needs <= 32.
+  chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
   if not staged_fits(n_split, br):
     raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
   n_steps = -(-n_split // g_n)  # G splits per step
@@ -128,6 +158,7 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
   n_full = n_split // chunk  # chunks of exactly `chunk` splits; then one partial chunk if any
   shape = (g_n, br)
   layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
+  blk = _InterpretBlocks(g_n) if interpret else _SmemBlocks(layout, shape)
 
   def load(ref):
     if interpret:
@@ -139,8 +170,8 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
 
   def sync():
     # Every thread's SMEM stores visible to every thread of the warpgroup.
-    # (The kernel runs with unsafe_no_auto_barriers, so that the stores in
-    # pass 2 do not each cost two warpgroup barriers and a schedule fence.)
+    # (The kernel runs with unsafe_no_auto_barriers, so that SMEM stores do
+    # not each cost two warpgroup barriers.)
     plgpu.commit_smem()
 
   def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref,
@@ -159,33 +190,34 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
     for c in range(n_chunks):
       plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
 
-    def over_chunks(bars, step, carry):
-      """step(j0, n_valid, carry) for j0 = 0, G, 2G, ... in ascending order, chunk by chunk."""
+    def over_chunks(bars, full_steps, last_step, carry):
+      """Steps of G splits in ascending order, chunk by chunk (each after its
+      copy landed): full_steps(j0, count, carry) runs `count` full steps from
+      split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
       def chunk_body(c, carry):
         plgpu.barrier_wait(bars.at[c])
-        for u in range(chunk // g_n):
-          carry = step(c * chunk + u * g_n, g_n, carry)
-        return carry
+        return full_steps(c * chunk, chunk // g_n, carry)
 
       if n_full:
         carry = lax.fori_loop(0, n_full, chunk_body, carry)
       if n_chunks > n_full:
         plgpu.barrier_wait(bars.at[n_full])
-        for j0 in range(n_full * chunk, n_split, g_n):
-          carry = step(j0, min(g_n, n_split - j0), carry)
+        j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
+        if count:
+          carry = full_steps(j0, count, carry)
+        if n_split % g_n:
+          carry = last_step(j0 + count * g_n, n_split % g_n, carry)
       return carry
-
-    group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
 
     # Pass 1: per group, the exact max over its splits (from -inf, which
     # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
-    def max_step(j0, n_valid, pm):
-      x = load(m_s.at[pl.ds(j0, g_n)])
-      if n_valid < g_n:
-        x = jnp.where(group < n_valid, x, jnp.asarray(-jnp.inf, F32))
+    def max_last(j0, n_valid, pm):
+      group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
+      x = jnp.where(group < n_valid, load(m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
       return jnp.maximum(pm, x)
 
-    pm = over_chunks(bar_m, max_step, cast(jnp.full(shape, -jnp.inf, F32)))
+    pm = over_chunks(bar_m, lambda j0, k, pm: blk.max(m_s.at[pl.ds(j0, k * g_n)], k, pm), max_last,
+                     cast(jnp.full(shape, -jnp.inf, F32)))
     # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
     # (g, r), the partial max of group (g + d) mod G of row r.
     x2.at[pl.ds(0, g_n)][...] = pm
@@ -200,24 +232,20 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
     ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
 
     # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
-    # rewrites only what it read). Terms past n_split are never summed.
-    def term_step(j0, n_valid, carry):
-      del n_valid
-      sl = pl.ds(j0, g_n)
-      m_j = load(m_s.at[sl])
-      s_j = load(s_s.at[sl])
-      w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
-      s_s.at[sl][...] = ops.mul(s_j, w)
+    # rewrites only what it read). A partial last step computes garbage in
+    # the missing groups, into SMEM rows past n_split that no chain of a
+    # g = 0 thread reads.
+    def terms(j0, count, carry):
+      sl = pl.ds(j0, count * g_n)
+      blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
       return carry
 
-    over_chunks(bar_s, term_step, jnp.int32(0))
+    over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
     sync()
 
     # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
     def add_splits(j0, count, acc):
-      for u in range(count):
-        acc = ops.add(acc, load(s_s.at[pl.ds(j0 + u, g_n)]))
-      return acc
+      return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
 
     n_trips = n_split // unroll
     acc = cast(jnp.zeros(shape, F32))
@@ -256,6 +284,105 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
       compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
       **kw,
   )
+
+
+class _InterpretBlocks:
+  """The staged fold's inner steps as Pallas ops (interpret mode). Each
+  method takes an SMEM view whose rows u*G .. u*G+G-1 (max, terms) or
+  u .. u+G-1 (chain) are step u, as a [G, rows] array (thread (g, r) <-> row
+  g, column r of the block)."""
+
+  def __init__(self, g_n):
+    self.g_n = g_n
+
+  def _rows(self, ref, first):
+    return ref.at[pl.ds(first, self.g_n)][...]
+
+  def max(self, ref, count, pm):
+    for u in range(count):
+      pm = jnp.maximum(pm, self._rows(ref, u * self.g_n))
+    return pm
+
+  def terms(self, m_ref, s_ref, count, big_m, ops):
+    for u in range(count):
+      m_j, s_j = self._rows(m_ref, u * self.g_n), self._rows(s_ref, u * self.g_n)
+      w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
+      s_ref.at[pl.ds(u * self.g_n, self.g_n)][...] = ops.mul(s_j, w)
+
+  def chain(self, ref, count, acc, ops):
+    for u in range(count):
+      acc = ops.add(acc, self._rows(ref, u))
+    return acc
+
+
+class _SmemBlocks:
+  """The same steps on the GPU, each block as ONE `inline_mgpu` op on the
+  SMEM view, with exactly the instructions the Pallas ops lower to: strided
+  loads / stores (thread t <-> element t of the [G, rows] block), max.NaN.f32
+  (jnp.maximum), the PEXP_DIFF PTX block (PtxOps.exp_diff), an oeq compare
+  and select (jnp.where), mul.rn.ftz.f32 / add.rn.ftz.f32 (PtxOps.mul / add),
+  in the same order per element. (Per-step Pallas ops made Mosaic's layout
+  inference, which grows faster than linearly with the op count, take ~10 s
+  to ~80 s per compile; these blocks keep it at a few seconds.)"""
+
+  def __init__(self, layout, shape):
+    self.layout, self.shape = layout, shape
+    self.g_n = shape[0]
+    self.ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
+
+  @staticmethod
+  def _mgpu():
+    from jax.experimental.mosaic import gpu as mgpu  # Lazy: lowering time only.
+
+    return mgpu
+
+  def _load(self, ref, first):
+    mgpu = self._mgpu()
+    return mgpu.FragmentedArray.load_strided(mgpu.utils.memref_slice(ref, slice(first, first + self.g_n)), vec_size=1)
+
+  def max(self, ref, count, pm):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
+    def run(ctx, ref, pm):
+      del ctx
+      for u in range(count):
+        pm = pm.max(self._load(ref, u * self.g_n))
+      return pm
+
+    return run(ref, plgpu.layout_cast(pm, self.layout))
+
+  def terms(self, m_ref, s_ref, count, big_m, ops):
+    del ops
+    from jaxlib.mlir import ir  # Lazy: lowering time only.
+    from pallas_kernels import ptx_programs
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), self.layout))
+    def run(ctx, m_ref, s_ref, big_m):
+      del ctx
+      mgpu = self._mgpu()
+      exp_diff = ptx_ops._lift_program(ptx_programs.PEXP_DIFF)
+      mul = ptx_ops._lift_ptx(ptx_ops._PTX["mul"])
+      one = mgpu.FragmentedArray.splat(mgpu.c(1.0, ir.F32Type.get()), self.shape, layout=big_m.layout)
+      ms = [self._load(m_ref, u * self.g_n) for u in range(count)]
+      ss = [self._load(s_ref, u * self.g_n) for u in range(count)]
+      for u, (m_j, s_j) in enumerate(zip(ms, ss)):
+        w = (m_j == big_m).select(one, m_j._pointwise(exp_diff, big_m))
+        term = s_j._pointwise(mul, w)
+        term.store_untiled(mgpu.utils.memref_slice(s_ref, slice(u * self.g_n, (u + 1) * self.g_n)))
+
+    run(m_ref, s_ref, plgpu.layout_cast(big_m, self.layout))
+
+  def chain(self, ref, count, acc, ops):
+    del ops
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
+    def run(ctx, ref, acc):
+      del ctx
+      add = ptx_ops._lift_ptx(ptx_ops._PTX["add"])
+      for u in range(count):
+        acc = acc._pointwise(add, self._load(ref, u))
+      return acc
+
+    return run(ref, plgpu.layout_cast(acc, self.layout))
 
 
 def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
@@ -341,7 +468,7 @@ def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: 
   if unknown:
     raise TypeError(f"unknown fold knobs {sorted(unknown)}")
   n_split, n = mT.shape
-  knobs = {"unroll": UNROLL, "staged": STAGED, "rows": ROWS, "chunk": CHUNK, **knobs}
+  knobs = {"unroll": None, "staged": STAGED, "rows": ROWS, "chunk": CHUNK, **knobs}
   if knobs["staged"] and not staged_fits(n_split, knobs["rows"]):
     knobs["staged"] = False
   br = row_block(staged=knobs["staged"], rows=knobs["rows"])

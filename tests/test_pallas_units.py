@@ -180,11 +180,15 @@ def test_forward_lowers_for_cuda(bucket):
     _lower(70, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512)
 
 
-def test_fold_lowers_for_cuda():
-    a = jax.ShapeDtypeStruct((300, 264), jnp.float32)
-    v = jax.ShapeDtypeStruct((300,), jnp.float32)
-    t = jax.ShapeDtypeStruct((300,), jnp.int32)
-    jax.jit(lambda *x: pk.fold(*x, 151936)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
+@pytest.mark.parametrize("n,n_split,knobs", [
+    (300, 264, {}), (1, 37, {}), (5, 9, {"chunk": 4}), (70, 1, {}), (3, 1000, {}),
+    (300, 264, {"staged": False}), (64, 264, {"rows": 64}),
+])
+def test_fold_lowers_for_cuda(n, n_split, knobs):
+    a = jax.ShapeDtypeStruct((n, n_split), jnp.float32)
+    v = jax.ShapeDtypeStruct((n,), jnp.float32)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+    jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.slow
