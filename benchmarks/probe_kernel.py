@@ -101,6 +101,47 @@ def _bits_equal(a, b):
   return bool(a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
+def _backward_variant(hidden, weight, targets, inv_t, lse, g_logp, *, vocab_size, chunk, dw_direct, z_bf16):
+  """Experimental variants of `grad.backward` (no bias, no logits cotangent, g_lse = 0).
+
+  dw_direct: the dW GEMM writes the weight dtype directly (f32 accumulation in
+  the GEMM) instead of f32 + add + convert. z_bf16: the recompute GEMM writes
+  bf16 logits (less traffic, less accurate; timing only).
+  """
+  from jax import lax
+  n, d = hidden.shape
+  v_rows = weight.shape[0]
+  n_chunks = -(-v_rows // chunk)
+  live = (targets >= 0) & (targets < vocab_size)
+  g_logp = jnp.where(live, g_logp, 0.0)
+
+  def body(carry, i):
+    dh, dw = carry
+    start = jnp.minimum(i * chunk, v_rows - chunk)
+    w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)
+    cols = start + jnp.arange(chunk)
+    fresh = (cols >= i * chunk) & (cols < vocab_size)
+    z = jnp.einsum("nd,vd->nv", hidden, w_c, preferred_element_type=jnp.bfloat16 if z_bf16 else F32).astype(F32)
+    p = jnp.where(fresh[None, :], jnp.exp(z * inv_t[:, None] - lse[:, None]), 0.0)
+    onehot = (cols[None, :] == targets[:, None]) & fresh[None, :]
+    dz = inv_t[:, None] * (g_logp[:, None] * (onehot.astype(F32) - p))
+    dz = jnp.where(fresh[None, :], dz, 0.0).astype(hidden.dtype)
+    dh = dh + jnp.einsum("nv,vd->nd", dz, w_c, preferred_element_type=F32)
+    if dw_direct:
+      dw_c = jnp.einsum("nv,nd->vd", dz, hidden, preferred_element_type=weight.dtype)
+      prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
+      dw_c = jnp.where((cols >= i * chunk)[:, None], dw_c, prev)
+    else:
+      dw_c = jnp.einsum("nv,nd->vd", dz, hidden, preferred_element_type=F32)
+      prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
+      dw_c = (prev.astype(F32) + dw_c).astype(dw.dtype)
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=0)
+    return (dh, dw), None
+
+  (dh, dw), _ = lax.scan(body, (jnp.zeros((n, d), F32), jnp.zeros(weight.shape, weight.dtype)), jnp.arange(n_chunks))
+  return dh.astype(hidden.dtype), dw
+
+
 class Probe:
 
   def __init__(self, out_path, samples, budget_s):
@@ -307,6 +348,16 @@ def main(argv):
     p.kernel("overlap", "serving", m, tuning.BUCKETS["prefill"], return_logits=True)
     p.kernel("overlap", "serving+overlap", m, _v("prefill", "o", overlap_epilogue=True), return_logits=True)
 
+  if "overlap2" in groups:
+    m = 4096
+    ov = _v("prefill", "o", overlap_epilogue=True)
+    p.kernel("overlap2", "prefill", m, tuning.BUCKETS["prefill"])
+    p.kernel("overlap2", "prefill skip_epilogue", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
+    p.kernel("overlap2", "prefill st3", m, _v("prefill", "p3s", max_concurrent_steps=3))
+    p.kernel("overlap2", "prefill st3 skip_epilogue", m, _v("prefill", "p3s", max_concurrent_steps=3), diag=("skip_epilogue",))
+    p.kernel("overlap2", "overlap", m, ov)
+    p.kernel("overlap2", "overlap nopieces", m, ov, diag=("ov_nopieces",))
+
   if "large" in groups:
     m = 16384
     p.kernel("large", "prefill", m, tuning.BUCKETS["prefill"])
@@ -330,6 +381,27 @@ def main(argv):
       f = jax.jit(lambda h, w, t, c=chunk: grad.backward(h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None,
                                                           vocab_size=V_REAL, chunk=c))
       p.generic("backward", f"chunk{chunk}", m, f, [(h, p.w, t) for h, t in sets], calls=2)
+
+  if "bwd_variants" in groups:
+    m = 4096
+    sets = p.sets(m)
+    lse = jnp.full((m,), 12.0, F32)
+    ones = jnp.ones((m,), F32)
+    f = jax.jit(lambda h, w, t: grad.backward(h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None,
+                                              vocab_size=V_REAL))
+    p.generic("bwd_variants", "grad.backward", m, f, [(h, p.w, t) for h, t in sets], calls=2)
+    for chunk, dw_direct, z_bf16 in ((4096, False, False), (4096, True, False), (8192, True, False),
+                                     (16384, True, False), (8192, True, True)):
+      f = jax.jit(lambda h, w, t, c=chunk, a=dw_direct, b=z_bf16: _backward_variant(
+          h, w, t, ones, lse, ones, vocab_size=V_REAL, chunk=c, dw_direct=a, z_bf16=b))
+      p.generic("bwd_variants", f"chunk{chunk} dw_direct={dw_direct} z_bf16={z_bf16}", m, f,
+                [(h, p.w, t) for h, t in sets], calls=2)
+    # fwd+bwd through the library (pallas forward + chunked backward) and XLA autodiff.
+    for backend in ("pallas_sm90", "xla"):
+      def loss(h, w, t, backend=backend):
+        return jnp.sum(api.linear_logp(h, w, t, vocab_size=V_REAL, padded_vocab_size=V_ROWS, backend=backend).logp)
+      f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+      p.generic("bwd_variants", f"fwd_bwd {backend}", m, f, [(h, p.w, t) for h, t in sets], calls=2)
 
   print("\n| group | name | M | median ms | min | max | TFLOP/s | bits |")
   print("|---|---|---|---|---|---|---|---|")
