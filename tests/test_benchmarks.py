@@ -152,3 +152,19 @@ def test_guard_skips_predicted_slow_cases():
 def test_unknown_backend_rejected():
     with pytest.raises(ValueError):
         cases.CaseSpec("nope", shapes.get("tiny"))
+
+
+def test_progress_log_parser_rebuilds_cases():
+    from benchmarks import from_log
+
+    text = (
+        "[    94.8s] (31/39) pallas_sm90 M=4096   median    8.8707 ms  [7.5816, 9.1274]   575.20 TFLOP/s  "
+        "compile 4.7s  bitwise-invariant\n"
+        "[    96.1s] (32/39) xla         M=4096   median    8.8722 ms  [7.9215, 9.0426]   575.10 TFLOP/s  "
+        "compile 0.9s  drift (max_abs_diff=2.86e-05 in logp,lse)\nnoise line\n"
+    )
+    cases = from_log.parse(text)
+    assert [(c.backend, c.m) for c in cases] == [("pallas_sm90", 4096), ("xla", 4096)]
+    assert cases[0].median_ms == 8.8707 and cases[0].min_ms == 7.5816 and cases[0].max_ms == 9.1274
+    assert cases[1].determinism.startswith("drift")
+    assert abs(cases[0].time_vs_xla - 8.8707 / 8.8722) < 1e-12
