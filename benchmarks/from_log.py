@@ -19,13 +19,17 @@ from absl import app, flags
 from benchmarks import report, shapes
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("log", None, "Progress log of benchmarks.run.")
-flags.DEFINE_string("shape", "qwen3_8b", "Shape name.")
-flags.DEFINE_string("entry", "trainer", "trainer or serving.")
-flags.DEFINE_string("mode", "fwd", "fwd or fwd_bwd.")
-flags.DEFINE_string("out", None, "JSON path (the plot goes next to it as .png).")
-flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth for the floor.")
-flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak for the floor.")
+
+
+def _define_flags():
+  """Flags of the command line only (the names are also benchmarks.run's)."""
+  flags.DEFINE_string("log", None, "Progress log of benchmarks.run.")
+  flags.DEFINE_string("shape", "qwen3_8b", "Shape name.")
+  flags.DEFINE_string("entry", "trainer", "trainer or serving.")
+  flags.DEFINE_string("mode", "fwd", "fwd or fwd_bwd.")
+  flags.DEFINE_string("out", None, "JSON path (the plot goes next to it as .png).")
+  flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth for the floor.")
+  flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak for the floor.")
 
 _LINE = re.compile(
     r"\(\d+/\d+\)\s+(?P<backend>\S+)\s+M=(?P<m>\d+)\s+median\s+(?P<med>[\d.]+) ms\s+\[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]"
@@ -72,4 +76,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
