@@ -22,14 +22,20 @@ Contract kept (see `detlogp_jax/oracle.py`, the executable spec):
   pipeline depth, persistent CTA count) is bit-neutral (`tuning.py`).
 
 Kernel structure: a persistent grid of CTAs walks work items (local split,
-row block) round-robin (row blocks fastest, so concurrently running CTAs share
-a split's weight slice in L2). A work item is one warp-specialized TMA
+row block) round-robin, in the order `LaunchConfig.split_group` picks (row
+blocks fastest; or, for the prefill bucket, groups of 4 splits with the split
+fastest inside a group, so the CTAs running at once share both the weight
+slices and the hidden rows in L2). A work item is one warp-specialized TMA
 pipeline over (tile group g, K slice k): the memory warpgroup streams
 H[rows, k-slice] and W[group columns, k-slice] (128B swizzle) while each
 consumer warpgroup (its own block_m rows) issues wgmma into its accumulator
 [block_m, 64*w]; after the last K slice of a group it runs the chain over the
 group's w tiles in ascending order and zeroes the accumulator. The chain state
-(m, S, z_t) is the pipeline carry (registers).
+(m, S, z_t) is the pipeline carry (registers). With
+`LaunchConfig.overlap_epilogue` (an experimental knob, off in every bucket:
+bit-identical but slower on the H200, see docs/PERF_NOTES.md) the
+accumulator is copied to shared memory instead and the chain runs in pieces
+under the next group's wgmmas.
 """
 
 from __future__ import annotations
@@ -221,6 +227,11 @@ def build_forward(
   """
   bm = cfg.block_m
   n_wg = cfg.num_compute_wgs
+  if n_wg not in (1, 2):
+    # Three consumer warpgroups passed interpret mode but gave different
+    # bytes on the H200 (benchmarks/results/h200_2026-11-30b/probe1.jsonl);
+    # not understood, so not allowed.
+    raise ValueError(f"num_compute_wgs must be 1 or 2, got {n_wg}")
   cta_rows = cfg.cta_rows
   assert n_pad % cta_rows == 0
   n_rb = n_pad // cta_rows

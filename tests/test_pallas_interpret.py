@@ -223,3 +223,65 @@ def test_multi_tile_splits_and_groups(monkeypatch):
     monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: 1)
     out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, return_logits=True, bucket="decode", num_ctas=1)
     _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
+
+
+@pytest.mark.slow
+def test_launch_knobs_are_bit_neutral():
+    """delay_release, grouped work order and logits staging slots give the same bytes."""
+    import dataclasses
+
+    n, d, v, vp = 130, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=1)
+    ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
+    _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
+    variants = [
+        dataclasses.replace(tuning.BUCKETS["prefill"], name="x1", delay_release=1, split_group=3, logits_slots=2),
+        dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2, logits_slots=3),
+        dataclasses.replace(tuning.BUCKETS["decode"], name="x3", delay_release=1, logits_slots=1),
+    ]
+    for cfg in variants:
+        out, logp, lse = _run(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3, return_logits=True)
+        for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
+            assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), f"{name} {cfg}")
+        assert_bitwise_equal(logp, ref_logp, f"logp {cfg}")
+        assert_bitwise_equal(lse, ref_lse, f"lse {cfg}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v,vp,d,force_w,races", [(34000, 34816, 512, 1, True), (152000, 152064, 1280, None, False)])
+def test_overlapped_epilogue_is_bit_identical(monkeypatch, v, vp, d, force_w, races):
+    """overlap_epilogue (chain in pieces under the next group's wgmmas, logits stored from the
+    dump) == the plain epilogue, on a shard of the first 4 splits: 2-tile splits with w = 1
+    (2 groups; race detection on), and Qwen-like 9-tile splits with the natural w = 3."""
+    import dataclasses
+
+    n = 70
+    plan = C.split_bounds(vp)
+    shard = plan.ends[3] * C.TILE_V
+    if force_w:
+        monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: force_w)
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=4, per_row_t=True)
+    t[5], t[6], t[7] = 5, shard - 1, C.TILE_V * plan.ends[0]
+    w, b = w[:shard], b[:shard]
+    ip = plgpu.InterpretGPUParams(detect_races=races)
+
+    def run(cfg, logits):
+        return pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp,
+                           col_offset=0, shard_cols=shard, interpret=True, interpret_params=ip, bucket=cfg,
+                           num_ctas=1 if races else 2, return_logits=logits)
+
+    base = tuning.BUCKETS["small"]
+    ov = dataclasses.replace(base, name="overlap", overlap_epilogue=True)
+    ref = run(base, True)
+    out = run(ov, True)
+    if races:
+        assert not _races_found(), "race detected in the overlapped epilogue"
+    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
+        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
+    lg = np.pad(np.asarray(ref[4]), ((0, 0), (0, vp - shard)))
+    mo, so = oracle.split_partials(oracle.ftz(lg), v, vp, inv_t)
+    assert_bitwise_equal(np.asarray(ref[0]), mo[:, :4], "m vs oracle")
+    assert_bitwise_equal(np.asarray(ref[1]), so[:, :4], "s vs oracle")
+    trainer = run(ov, False)
+    for k, name in enumerate(("m", "s", "z_t")):
+        assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
