@@ -133,9 +133,14 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
     c1 = inv_t * (g_lse.astype(jnp.float32) - g_logp)
     c2 = inv_t * g_logp
     padr = lambda x, v=0: jnp.pad(x, (0, pad), constant_values=v) if pad else x
-    # Rows with a NaN coefficient (a NaN row of the forward) stay row-local: padding rows get 0.
+    # Padding rows get dz = 0 exactly: c1 = c2 = 0 and p = exp(bias - inf) = 0
+    # (lse = +inf), so no bias value (large, or -inf) can make 0 * p a NaN that
+    # the dW / db sums over rows would spread. A real NaN row (NaN lse or
+    # inv_t) has a NaN dz row: its own dh row, and every dW / db entry, are NaN,
+    # as in the XLA-formed path.
     hp = jnp.pad(hidden, ((0, pad), (0, 0))) if pad else hidden
-    tp, it, lp, c1p, c2p = padr(targets.astype(jnp.int32), -1), padr(inv_t, 1.0), padr(lse.astype(jnp.float32)), padr(c1), padr(c2)
+    tp, it, lp, c1p, c2p = (padr(targets.astype(jnp.int32), -1), padr(inv_t, 1.0),
+                            padr(lse.astype(jnp.float32), jnp.inf), padr(c1), padr(c2))
 
     def body(carry, i):
         dh, dw, db = carry

@@ -182,7 +182,8 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, *, in
   hidden_p: [n_pad, D] bf16 with n_pad a multiple of `rows_multiple()`;
   w_c: [chunk, D] bf16; bias_c: [chunk] f32 or None; targets_c: [n_pad] int32
   target column relative to the chunk (anything outside [0, chunk) never
-  matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows);
+  matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows;
+  `detlogp_jax.grad` pads lse with +inf there: p = 0 for any bias < +inf);
   lo, hi: traced int32 column bounds (relative) of the columns that get a
   gradient.
   """

@@ -78,3 +78,49 @@ def test_backward_with_fused_dz_matches_xla_backward_and_is_deterministic():
     assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0  # padding rows get nothing
     for g, g2 in zip(got, again):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
+
+
+def _reference_dz_kernel(calls):
+    """dz_chunk's formula in plain jnp (f32 math, bf16 out): exercises the chunked
+    backward's wrapper (row padding, chunk clamping, lo/hi, target shift) fast."""
+
+    def kern(hp, w_c, b_c, tgt, inv_t, lse, c1, c2, lo, hi):
+        calls.append(hp.shape)
+        z = jnp.einsum("nd,vd->nv", hp, w_c, preferred_element_type=jnp.float32)
+        if b_c is not None:
+            z = z + b_c[None, :]
+        col = jnp.arange(w_c.shape[0])[None, :]
+        dz = c1[:, None] * jnp.exp(z * inv_t[:, None] - lse[:, None]) + jnp.where(col == tgt[:, None], c2[:, None], 0.0)
+        return jnp.where((col >= lo) & (col < hi), dz, 0.0).astype(jnp.bfloat16)
+
+    return kern
+
+
+def test_fused_path_padding_rows_get_no_gradient_with_a_large_bias():
+    """A bias entry above log(FLT_MAX) overflows exp on the zero-padded rows
+    unless their p is forced to 0; a NaN there would spread through the dW / db
+    sums over rows. The fused-dz path must agree with the XLA-formed one."""
+    rng = np.random.default_rng(2)
+    n, d, v_rows, vocab, chunk = 5, 64, 1280, 1200, 512  # 3 chunks, the last one clamped; 123 padding rows
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v_rows, d)) * 0.3, jnp.bfloat16)
+    b = np.asarray(rng.standard_normal(v_rows) * 0.1, np.float32)
+    b[[7, 700, 1100]] = 100.0  # exp(100) = inf in f32
+    b[[8, 900]] = -np.inf  # a banned token: p = 0 on every row
+    t = rng.integers(0, vocab, n).astype(np.int32)
+    t[1], t[2] = -100, 700
+    inv_t = jnp.asarray(rng.uniform(0.6, 1.4, n), jnp.float32)
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T + b.astype(np.float64)
+    y = z * np.asarray(inv_t, np.float64)[:, None]
+    y[:, vocab:] = -np.inf
+    lse = jnp.asarray(np.log(np.exp(y - y.max(1, keepdims=True)).sum(1)) + y.max(1), jnp.float32)
+    args = (h, w, jnp.asarray(b), jnp.asarray(t), inv_t, lse, jnp.asarray(rng.standard_normal(n), jnp.float32),
+            jnp.asarray(rng.standard_normal(n), jnp.float32), None)
+    want = grad.backward(*args, vocab_size=vocab, chunk=chunk)
+    calls = []
+    got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=_reference_dz_kernel(calls))
+    assert calls and calls[0] == (pk.rows_multiple(), d)  # the fused path ran, on padded rows
+    for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
+        assert np.isfinite(np.asarray(g, np.float32)).all(), name
+        assert _rel(g, e) < 1e-2, (name, _rel(g, e))
+    assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0
