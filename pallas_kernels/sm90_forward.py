@@ -228,9 +228,11 @@ def build_forward(
   bm = cfg.block_m
   n_wg = cfg.num_compute_wgs
   if n_wg not in (1, 2):
-    # Three consumer warpgroups passed interpret mode but gave different
-    # bytes on the H200 (benchmarks/results/h200_2026-11-30b/probe1.jsonl);
-    # not understood, so not allowed.
+    # Three consumer warpgroups pass interpret mode but are not validated on
+    # a GPU: probe1.jsonl (h200_2026-11-30b) reports "DIFFERENT" for them, but
+    # that probe compared whole [n_local, n_pad] arrays and 192 rows per CTA
+    # pads M=4096 to 4224 rows, so the shapes alone differed (fixed in
+    # benchmarks/probe_kernel.py since); whether the bytes match is unknown.
     raise ValueError(f"num_compute_wgs must be 1 or 2, got {n_wg}")
   cta_rows = cfg.cta_rows
   assert n_pad % cta_rows == 0
