@@ -263,6 +263,11 @@ def test_overlapped_epilogue_is_bit_identical(monkeypatch, v, vp, d, force_w, ra
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=4, per_row_t=True)
     t[5], t[6], t[7] = 5, shard - 1, C.TILE_V * plan.ends[0]
     w, b = w[:shard], b[:shard]
+    from pallas_kernels import sm90_forward
+
+    geom = sm90_forward.shard_geometry(v, vp, 0, shard)
+    # build_forward falls back to the plain epilogue unless k_iters >= pieces + 2: make sure it does not here.
+    assert d // sm90_forward.TILE_K >= geom.tiles_per_group * sm90_forward.PIECES_PER_TILE + 2, geom.tiles_per_group
     ip = plgpu.InterpretGPUParams(detect_races=races)
 
     def run(cfg, logits):
