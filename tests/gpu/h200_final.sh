@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Re-validation and benchmarks after kernel changes (nvidia-h200), one call of
+# (Kept as the script of the 2026-11-30 second-session run; its stage limits cut the
+# forward sweep at M=8192 and the pytest/golden stages at their teardown. Use
+# h200_validate.sh and h200_bench.sh instead.) Re-validation and benchmarks after
+# kernel changes (nvidia-h200), one call of
 # ~8 minutes: GPU pytest (gradients, fold layouts, entries), the contract
 # ladder (stages A, C, B with the M sweep cut by the budget), the golden
 # REPLAY (the records must not change), the trainer forward sweep, serving and
