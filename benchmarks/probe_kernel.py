@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, overlap).")
+                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -359,6 +359,21 @@ def main(argv):
     p.kernel("overlap2", "prefill st3 skip_epilogue", m, _v("prefill", "p3s", max_concurrent_steps=3), diag=("skip_epilogue",))
     p.kernel("overlap2", "overlap", m, ov)
     p.kernel("overlap2", "overlap nopieces", m, ov, diag=("ov_nopieces",))
+
+  if "epi_next" in groups:
+    # Next experiments on the chain's cost (not run yet): does it scale with the tiles
+    # per group, with the warpgroups running it, or is it a fixed cost of reading the
+    # accumulator at a group boundary? And the stage count of the shipped config.
+    m = 4096
+    base = tuning.BUCKETS["prefill"]
+    p.kernel("epi_next", "prefill", m, base)
+    for diag in (("skip_epilogue",), ("acc_max_only",), ("one_tile",), ("wg0_only",), ("no_exp", "no_hit")):
+      p.kernel("epi_next", "+".join(diag), m, base, diag=diag)
+    for st in (3, 4, 6):
+      p.kernel("epi_next", f"st{st}", m, _v("prefill", f"s{st}", max_concurrent_steps=st))
+      p.kernel("epi_next", f"st{st} skip_epilogue", m, _v("prefill", f"s{st}", max_concurrent_steps=st),
+               diag=("skip_epilogue",))
+    p.kernel("epi_next", "g0 skip_epilogue", m, _v("prefill", "g0", split_group=0), diag=("skip_epilogue",))
 
   if "large" in groups:
     m = 16384

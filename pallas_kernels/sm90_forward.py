@@ -223,7 +223,11 @@ def build_forward(
   what the epilogue costs; "no_hit", "no_exp", "no_mask" drop those parts of
   the chain (`tile_math.chain_tile`); "zero_first" zeroes the accumulator
   before the chain instead of after it; "mask_always" applies the padding
-  masks on every tile instead of only on tiles that reach past the limit.
+  masks on every tile instead of only on tiles that reach past the limit;
+  "acc_max_only" reads the accumulator and takes one row max instead of the
+  chain; "wg0_only" runs the chain in consumer warpgroup 0 only; "one_tile"
+  runs it on the first tile of each group only; "ov_nopieces" (with
+  overlap_epilogue) copies the accumulator out but runs no chain.
   """
   bm = cfg.block_m
   n_wg = cfg.num_compute_wgs
@@ -265,6 +269,10 @@ def build_forward(
   zero_first = "zero_first" in diag
   mask_always = "mask_always" in diag
   chain_diag = tuple(x for x in diag if x in ("no_hit", "no_exp", "no_mask"))
+  known = {"skip_epilogue", "zero_first", "mask_always", "no_hit", "no_exp", "no_mask", "ov_nopieces",
+           "acc_max_only", "wg0_only", "one_tile"}
+  if set(diag) - known:
+    raise ValueError(f"unknown diag {sorted(set(diag) - known)}; known: {sorted(known)}")
 
   def kernel(*refs):
     if has_bias:
@@ -507,8 +515,6 @@ def build_forward(
         ctx_vals = {}
 
         def epilogue(acc_ref, g, m, s, zt):
-          ops, tgt, invt = ctx_vals["ops"], ctx_vals["tgt"], ctx_vals["invt"]
-          wrow = row0 + wg * bm
           if delay and not interpret:
             plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
           z_all = acc_ref[...]
@@ -516,11 +522,24 @@ def build_forward(
             _zero_acc(acc_ref, bm, gcols, interpret)
           if skip_epilogue:
             return m, s, zt
+          if "acc_max_only" in diag:  # read the accumulator, one row max, nothing else
+            _zero_acc(acc_ref, bm, gcols, interpret)
+            return jnp.maximum(m, jnp.max(z_all, axis=1)), s, zt
+          if "wg0_only" in diag:  # only consumer warpgroup 0 runs the chain
+            def skip(m, s, zt):
+              _zero_acc(acc_ref, bm, gcols, interpret)
+              return m, s, zt
+            return lax.cond(wg == 0, lambda m, s, zt: _chain_group(z_all, acc_ref, g, m, s, zt), skip, m, s, zt)
+          return _chain_group(z_all, acc_ref, g, m, s, zt)
+
+        def _chain_group(z_all, acc_ref, g, m, s, zt):
+          ops, tgt, invt = ctx_vals["ops"], ctx_vals["tgt"], ctx_vals["invt"]
+          wrow = row0 + wg * bm
           invt_b = jnp.broadcast_to(invt[:, None], (bm, TILE))
           col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
           if not interpret:
             col_iota = plgpu.layout_cast(col_iota, plgpu.Layout.WGMMA)
-          for i in range(w):
+          for i in range(1 if "one_tile" in diag else w):
             tile = t0 + g * w + i  # global tile index
             tcol0 = tile * TILE
             z = z_all[:, i * TILE : (i + 1) * TILE]
