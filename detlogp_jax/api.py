@@ -141,7 +141,7 @@ def _check_targets(targets, vocab_size: int) -> None:
 
     def check(t):
         t = np.asarray(t)
-        bad = ((t < 0) & (t != C.IGNORE_INDEX)) | (t >= vocab_size)
+        bad = C.bad_target(t, vocab_size)
         if bad.any():
             idx = np.argwhere(bad)[0].tolist()
             raise ValueError(f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}")

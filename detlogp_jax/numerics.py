@@ -169,6 +169,6 @@ def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None):
     d = ops.sub(y_t, lse)
     logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
     logp = jnp.where(targets == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
-    bad = ((targets < 0) & (targets != C.IGNORE_INDEX)) | (targets >= vocab_size)
+    bad = C.bad_target(targets, vocab_size)
     logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
     return logp, lse

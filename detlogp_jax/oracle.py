@@ -203,7 +203,7 @@ def fold(m, s, z_t, targets, inv_t, vocab_size: int):
     d = f_sub(y_t, lse)
     logp = np.where(d > 0, F32(0.0), d).astype(F32)
     logp = np.where(targets == C.IGNORE_INDEX, F32(0.0), logp)
-    bad = ((targets < 0) & (targets != C.IGNORE_INDEX)) | (targets >= vocab_size)
+    bad = C.bad_target(targets, vocab_size)
     logp = np.where(bad, F32(np.nan), logp).astype(F32)
     return logp, lse
 

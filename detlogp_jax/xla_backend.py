@@ -40,5 +40,5 @@ def clamped_logp(y_t, lse, targets, vocab_size: int):
     any other id outside [0, vocab_size) -> NaN (row-local). Unpinned arithmetic."""
     logp = jnp.minimum(y_t - lse, 0.0)
     logp = jnp.where(targets == C.IGNORE_INDEX, 0.0, logp)
-    bad = ((targets < 0) & (targets != C.IGNORE_INDEX)) | (targets >= vocab_size)
+    bad = C.bad_target(targets, vocab_size)
     return jnp.where(bad, jnp.nan, logp)

@@ -108,3 +108,12 @@ def test_contract_doc_matches_code():
     for name in ("TILE_V", "TP_MAX", "TARGET_SPLITS", "IGNORE_INDEX", "EXP_CLAMP_LO", "EXP_K_MIN"):
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
         assert f"| {getattr(C, name):g} |".replace(".0 |", " |") in row.replace(".0 |", " |"), name
+
+
+def test_bad_target_predicate_numpy_and_jax_agree():
+    import jax.numpy as jnp
+
+    t = np.array([-101, -100, -99, -1, 0, 5, 999, 1000, 1001], np.int32)
+    want = np.array([True, False, True, True, False, False, False, True, True])
+    assert np.array_equal(C.bad_target(t, 1000), want)
+    assert np.array_equal(np.asarray(C.bad_target(jnp.asarray(t), 1000)), want)
