@@ -112,6 +112,7 @@ def test_contract_doc_matches_code():
 
 def test_bad_target_predicate_numpy_and_jax_agree():
     import jax.numpy as jnp
+    import numpy as np
 
     t = np.array([-101, -100, -99, -1, 0, 5, 999, 1000, 1001], np.int32)
     want = np.array([True, False, True, True, False, False, False, True, True])
