@@ -227,6 +227,30 @@ def split_bounds(padded_vocab_size: int) -> SplitPlan:
     return SplitPlan(v, t, g, q, tuple(starts), tuple(ends))
 
 
+def local_splits(padded_vocab_size: int, col_offset: int, shard_cols: int) -> range:
+    """The splits of `split_bounds(padded_vocab_size)` that tile the shard
+    [col_offset, col_offset + shard_cols) exactly (a vocab-parallel shard, or the
+    whole padded vocabulary).
+
+    Shard edges must be split edges, so that a shard's partials are exactly the
+    single-device partials of those splits; ContractError otherwise.
+    """
+    plan = split_bounds(padded_vocab_size)
+    lo, hi = int(col_offset), int(col_offset) + int(shard_cols)
+    if lo % TILE_V or (hi % TILE_V and hi != int(padded_vocab_size)):
+        raise ContractError(f"shard columns [{lo}, {hi}) are not split edges: not on {TILE_V}-column tile boundaries")
+    t_lo, t_hi = lo // TILE_V, n_tiles(hi)
+    if t_hi == t_lo:
+        return range(0)
+    idx = [j for j in range(plan.n_split) if plan.starts[j] >= t_lo and plan.ends[j] <= t_hi]
+    if not idx or plan.starts[idx[0]] != t_lo or plan.ends[idx[-1]] != t_hi:
+        raise ContractError(
+            f"shard columns [{lo}, {hi}) do not fall on split edges of {describe_splits(padded_vocab_size)} "
+            f"(aligned TP degrees: {plan.aligned_tp_degrees()})"
+        )
+    return range(idx[0], idx[-1] + 1)
+
+
 def n_split(padded_vocab_size: int) -> int:
     return split_bounds(padded_vocab_size).n_split
 

@@ -31,17 +31,7 @@ ROW_BLOCK = 128  # bit-neutral: rows are independent
 def _local_plan(padded_vocab_size: int, col_offset: int, shard_cols: int):
     """Split tile ranges inside [col_offset, col_offset + shard_cols), as tile indices."""
     plan = C.split_bounds(padded_vocab_size)
-    lo, hi = col_offset, col_offset + shard_cols
-    if lo % C.TILE_V or (hi % C.TILE_V and hi != padded_vocab_size):
-        raise C.ContractError(f"shard columns [{lo}, {hi}) do not fall on {C.TILE_V}-column tile boundaries")
-    t_lo, t_hi = lo // C.TILE_V, C.n_tiles(hi)
-    idx = [j for j, (s, e) in enumerate(zip(plan.starts, plan.ends)) if s >= t_lo and e <= t_hi]
-    covered = sum(plan.ends[j] - plan.starts[j] for j in idx)
-    if covered != t_hi - t_lo:
-        raise C.ContractError(
-            f"shard columns [{lo}, {hi}) do not fall on split boundaries of V_pad={padded_vocab_size} "
-            f"(aligned TP degrees: {plan.aligned_tp_degrees()})"
-        )
+    idx = C.local_splits(padded_vocab_size, col_offset, shard_cols)
     starts = np.array([plan.starts[j] for j in idx], np.int64)
     ends = np.array([plan.ends[j] for j in idx], np.int64)
     return starts, ends

@@ -101,18 +101,7 @@ def shard_geometry(vocab_size: int, padded_vocab_size: int, col_offset: int = 0,
   col_offset = int(col_offset)
   if col_offset < 0 or shard_cols <= 0 or col_offset + shard_cols > plan.n_tiles * TILE:
     raise ValueError(f"shard [{col_offset}, {col_offset + shard_cols}) outside the padded vocabulary {padded_vocab_size}")
-  if col_offset % TILE:
-    raise C.ContractError(f"col_offset={col_offset} is not a multiple of {TILE} (shard edges must be split edges)")
-  end = col_offset + shard_cols
-  t_lo = col_offset // TILE
-  t_hi = -(-end // TILE)
-  if end != padded_vocab_size and end % TILE:
-    raise C.ContractError(f"shard end {end} is not a split edge")
-  local = [j for j in range(plan.n_split) if plan.starts[j] >= t_lo and plan.ends[j] <= t_hi]
-  if not local or plan.starts[local[0]] != t_lo or plan.ends[local[-1]] != t_hi:
-    raise C.ContractError(
-        f"shard [{col_offset}, {end}) does not fall on split edges of {C.describe_splits(padded_vocab_size)}"
-    )
+  local = list(C.local_splits(padded_vocab_size, col_offset, shard_cols))
   starts = tuple(plan.starts[j] for j in local)
   ends = tuple(plan.ends[j] for j in local)
   sizes = tuple(e - s for s, e in zip(starts, ends))

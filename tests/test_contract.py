@@ -118,3 +118,18 @@ def test_bad_target_predicate_numpy_and_jax_agree():
     want = np.array([True, False, True, True, False, False, False, True, True])
     assert np.array_equal(C.bad_target(t, 1000), want)
     assert np.array_equal(np.asarray(C.bad_target(jnp.asarray(t), 1000)), want)
+
+
+def test_local_splits_are_the_splits_inside_a_shard():
+    v_pad = 152064
+    plan = C.split_bounds(v_pad)
+    assert list(C.local_splits(v_pad, 0, v_pad)) == list(range(plan.n_split))
+    for tp in (2, 4, 8):
+        shard = v_pad // tp
+        got = [C.local_splits(v_pad, r * shard, shard) for r in range(tp)]
+        assert [len(g) for g in got] == [plan.n_split // tp] * tp
+        assert [j for g in got for j in g] == list(range(plan.n_split))
+    with pytest.raises(C.ContractError, match="tile"):
+        C.local_splits(v_pad, 32, 1024)
+    with pytest.raises(C.ContractError, match="split edges"):
+        C.local_splits(v_pad, 0, 64)  # one tile of a multi-tile split
