@@ -46,9 +46,12 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
     `pallas_kernels.sm90_backward.dz_chunk` (used only without a logits
     cotangent and when it supports the operands and the chunk length).
     """
-    n, d = hidden.shape
     v_rows = weight.shape[0]
     chunk, n_chunks = _chunking(v_rows, chunk)
+    live = (targets >= 0) & (targets < vocab_size)
+    g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)  # dead rows get no logp gradient
+    g_lse = g_lse.astype(jnp.float32)
+    inv_t = inv_t.astype(jnp.float32)
     if dz_kernel is not None and g_logits is None and _kernel_ok(hidden, weight, chunk):
         return _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
                                   vocab_size=vocab_size, chunk=chunk, n_chunks=n_chunks, dz_kernel=dz_kernel)
@@ -56,20 +59,12 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
     # f32 models keep f32 GEMMs; bf16/f16 models run the two gradient GEMMs on
     # dz rounded to their dtype with f32 accumulation (the usual mixed precision).
     gemm_dtype = jnp.float32 if hidden.dtype == jnp.float32 else hidden.dtype
-    live = (targets >= 0) & (targets < vocab_size)
-    g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)
-    g_lse = g_lse.astype(jnp.float32)
-    inv_t = inv_t.astype(jnp.float32)
 
     g_full = None
     if g_logits is not None:  # logits were returned (already [N, vocab_size]); pad to the weight's rows
         g_full = jnp.pad(g_logits.astype(jnp.float32), ((0, 0), (0, v_rows - g_logits.shape[1])))
 
-    def body(carry, i):
-        dh, dw, db = carry
-        start = jnp.minimum(i * chunk, v_rows - chunk)
-        w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)
-        cols = start + jnp.arange(chunk)
+    def dz_of(i, start, w_c, cols):
         fresh = (cols >= i * chunk) & (cols < vocab_size)  # each column once; real vocab only
         z = jnp.einsum("nd,vd->nv", hidden, w_c, preferred_element_type=jnp.float32, precision=prec)
         if bias is not None:
@@ -79,21 +74,40 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
         dz = inv_t[:, None] * (g_lse[:, None] * p + g_logp[:, None] * (onehot.astype(jnp.float32) - p))
         if g_full is not None:
             dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
-        dz = jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
-        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c.astype(gemm_dtype), preferred_element_type=jnp.float32, precision=prec)
-        dw = _update_dw(dw, dz, hidden.astype(gemm_dtype), start, cols >= i * chunk, prec)
+        return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
+
+    dh, dw, db = _chunk_walk(dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec)
+    return dh.astype(hidden.dtype), dw, db
+
+
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec):
+    """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
+    two runs give identical bytes): for chunk i (clamped to end at the last weight
+    row), dz = dz_of(i, start, w_c, cols) [rows, chunk] in the GEMM dtype, then
+    dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] += sum_rows dz.
+    Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None)."""
+    v_rows = weight.shape[0]
+
+    def body(carry, i):
+        dh, dw, db = carry
+        start = jnp.minimum(i * chunk, v_rows - chunk)
+        w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)
+        cols = start + jnp.arange(chunk)
+        dz = dz_of(i, start, w_c, cols)
+        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec)
+        dw = _update_dw(dw, dz, hidden, start, cols >= i * chunk, prec)
         if db is not None:
             prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
             db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
         return (dh, dw, db), None
 
     init = (
-        jnp.zeros((n, d), jnp.float32),
+        jnp.zeros(hidden.shape, jnp.float32),
         jnp.zeros(weight.shape, weight.dtype),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
     )
     (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n_chunks))
-    return dh.astype(hidden.dtype), dw, (None if bias is None else db.astype(bias.dtype))
+    return dh, dw, (None if bias is None else db.astype(bias.dtype))
 
 
 def _update_dw(dw, dz, hidden, start, fresh_rows, prec):
@@ -117,20 +131,17 @@ def _kernel_ok(hidden, weight, chunk):
 def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, *, vocab_size, chunk, n_chunks,
                        dz_kernel):
     """The chunked backward with dz formed by `dz_kernel` (bf16 models, no logits cotangent).
+    g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32.
 
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) = c1 * p + c2 * onehot
     with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row.
     """
     from pallas_kernels import sm90_backward
 
-    n, d = hidden.shape
-    v_rows = weight.shape[0]
+    n = hidden.shape[0]
     n_pad = -(-n // sm90_backward.rows_multiple()) * sm90_backward.rows_multiple()
     pad = n_pad - n
-    live = (targets >= 0) & (targets < vocab_size)
-    inv_t = inv_t.astype(jnp.float32)
-    g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)
-    c1 = inv_t * (g_lse.astype(jnp.float32) - g_logp)
+    c1 = inv_t * (g_lse - g_logp)
     c2 = inv_t * g_logp
     padr = lambda x, v=0: jnp.pad(x, (0, pad), constant_values=v) if pad else x
     # Padding rows get dz = 0 exactly: c1 = c2 = 0 and p = exp(bias - inf) = 0
@@ -142,24 +153,9 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
     tp, it, lp, c1p, c2p = (padr(targets.astype(jnp.int32), -1), padr(inv_t, 1.0),
                             padr(lse.astype(jnp.float32), jnp.inf), padr(c1), padr(c2))
 
-    def body(carry, i):
-        dh, dw, db = carry
-        start = jnp.minimum(i * chunk, v_rows - chunk)
-        w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)
+    def dz_of(i, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
-        dz = dz_kernel(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
-        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c, preferred_element_type=jnp.float32)
-        cols = start + jnp.arange(chunk)
-        dw = _update_dw(dw, dz, hp, start, cols >= i * chunk, None)
-        if db is not None:
-            prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
-            db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
-        return (dh, dw, db), None
+        return dz_kernel(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
 
-    init = (
-        jnp.zeros((n_pad, d), jnp.float32),
-        jnp.zeros(weight.shape, weight.dtype),
-        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
-    )
-    (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n_chunks))
-    return dh[:n].astype(hidden.dtype), dw, (None if bias is None else db.astype(bias.dtype))
+    dh, dw, db = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None)
+    return dh[:n].astype(hidden.dtype), dw, db
