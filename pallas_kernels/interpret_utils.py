@@ -13,8 +13,33 @@ changes nothing on a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
+
+
+def load(ref, layout, interpret: bool):
+  """ref[...] as a register array of `layout` (interpret mode: plain ref read)."""
+  if interpret:
+    return ref[...]
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def cast(x, layout, interpret: bool):
+  """x laid out as `layout` (a no-op in interpret mode, which has no layouts)."""
+  if interpret:
+    return x
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu.layout_cast(x, layout)
+
+
+def load_and_cast(layout, interpret: bool):
+  """(load(ref), cast(x)) bound to one layout: the pair every kernel body uses."""
+  return (functools.partial(load, layout=layout, interpret=interpret),
+          functools.partial(cast, layout=layout, interpret=interpret))
 
 
 class _NumpyWithRowInvariantMatmul:

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import sm90_forward, tuning
+from pallas_kernels import interpret_utils, sm90_forward, tuning
 
 F32 = jnp.float32
 TILE = 64
@@ -54,11 +54,8 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
   col_l = plgpu.Layout.WGMMA.reduce(0)
   stages = min(STAGES, k_iters)
 
-  def cast(x, layout):
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-  def load(ref, layout):
-    return ref[...] if interpret else plgpu.load(ref, layout=layout, optimized=False)
+  cast = functools.partial(interpret_utils.cast, interpret=interpret)
+  load = functools.partial(interpret_utils.load, interpret=interpret)
 
   def kernel(*refs):
     if has_bias:

@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import contract as C
-from pallas_kernels import ptx_ops, tile_math
+from pallas_kernels import interpret_utils, ptx_ops, tile_math
 
 F32 = jnp.float32
 FOLD_ROWS = 128  # rows per CTA of staged=False; a row padding that suits every variant (bit-neutral)
@@ -160,13 +160,7 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
   layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
   blk = _InterpretBlocks(g_n) if interpret else _SmemBlocks(layout, shape)
 
-  def load(ref):
-    if interpret:
-      return ref[...]
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-  def cast(x):
-    return x if interpret else plgpu.layout_cast(x, layout)
+  load, cast = interpret_utils.load_and_cast(layout, interpret)
 
   def sync():
     # Every thread's SMEM stores visible to every thread of the warpgroup.
@@ -390,13 +384,7 @@ def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
   assert n_pad % br == 0
   layout = plgpu.Layout.WG_STRIDED((br,), vec_size=1)
 
-  def load(ref):
-    if interpret:
-      return ref[...]
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-  def cast(x):
-    return x if interpret else plgpu.layout_cast(x, layout)
+  load, cast = interpret_utils.load_and_cast(layout, interpret)
 
   def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref):
     r0 = lax.axis_index("rows") * br

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import contract as C
-from pallas_kernels import ptx_ops, tile_math, tuning
+from pallas_kernels import interpret_utils, ptx_ops, tile_math, tuning
 
 F32 = jnp.float32
 TILE = C.TILE_V
@@ -166,14 +166,8 @@ def _layout_of(shape):
   raise ValueError(f"no register layout for shape {shape}")
 
 
-def _cast(x, layout, interpret):
-  return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _load(ref, layout, interpret):
-  if interpret:
-    return ref[...]
-  return plgpu.load(ref, layout=layout, optimized=False)
+_cast = interpret_utils.cast
+_load = interpret_utils.load
 
 
 def _zero_acc(acc_ref, bm, cols, interpret):
