@@ -389,36 +389,36 @@ def main(argv):
     p.kernel("serving", "delay+slots2", m, _v("prefill", "l3", delay_release=1, logits_slots=2), return_logits=True)
     p.kernel("serving", "delay+slots3", m, _v("prefill", "l4", delay_release=1, logits_slots=3), return_logits=True)
 
+  def bwd_setup(m):
+    """Backward inputs at M rows: arg sets (h, W, t), a fixed lse, unit inv_t / g_logp."""
+    return [(h, p.w, t) for h, t in p.sets(m)], jnp.full((m,), 12.0, F32), jnp.ones((m,), F32)
+
   if "backward" in groups:
     m = 4096
-    sets = p.sets(m)
-    lse = jnp.full((m,), 12.0, F32)
-    ones = jnp.ones((m,), F32)
+    arg_sets, lse, ones = bwd_setup(m)
     for chunk in (4096, 8192, 16384, 32768):
       f = jax.jit(lambda h, w, t, c=chunk: grad.backward(h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None,
                                                           vocab_size=V_REAL, chunk=c))
-      p.generic("backward", f"chunk{chunk}", m, f, [(h, p.w, t) for h, t in sets], calls=2)
+      p.generic("backward", f"chunk{chunk}", m, f, arg_sets, calls=2)
 
   if "bwd_variants" in groups:
     m = 4096
-    sets = p.sets(m)
-    lse = jnp.full((m,), 12.0, F32)
-    ones = jnp.ones((m,), F32)
+    arg_sets, lse, ones = bwd_setup(m)
     f = jax.jit(lambda h, w, t: grad.backward(h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None,
                                               vocab_size=V_REAL))
-    p.generic("bwd_variants", "grad.backward", m, f, [(h, p.w, t) for h, t in sets], calls=2)
+    p.generic("bwd_variants", "grad.backward", m, f, arg_sets, calls=2)
     for chunk, dw_direct, z_bf16 in ((4096, False, False), (4096, True, False), (8192, True, False),
                                      (16384, True, False), (8192, True, True)):
       f = jax.jit(lambda h, w, t, c=chunk, a=dw_direct, b=z_bf16: _backward_variant(
           h, w, t, ones, lse, ones, vocab_size=V_REAL, chunk=c, dw_direct=a, z_bf16=b))
       p.generic("bwd_variants", f"chunk{chunk} dw_direct={dw_direct} z_bf16={z_bf16}", m, f,
-                [(h, p.w, t) for h, t in sets], calls=2)
+                arg_sets, calls=2)
     # fwd+bwd through the library (pallas forward + chunked backward) and XLA autodiff.
     for backend in ("pallas_sm90", "xla"):
       def loss(h, w, t, backend=backend):
         return jnp.sum(api.linear_logp(h, w, t, vocab_size=V_REAL, padded_vocab_size=V_ROWS, backend=backend).logp)
       f = jax.jit(jax.grad(loss, argnums=(0, 1)))
-      p.generic("bwd_variants", f"fwd_bwd {backend}", m, f, [(h, p.w, t) for h, t in sets], calls=2)
+      p.generic("bwd_variants", f"fwd_bwd {backend}", m, f, arg_sets, calls=2)
 
   print("\n| group | name | M | median ms | min | max | TFLOP/s | bits |")
   print("|---|---|---|---|---|---|---|---|")
