@@ -139,7 +139,7 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
     from pallas_kernels import sm90_backward
 
     n = hidden.shape[0]
-    n_pad = -(-n // sm90_backward.rows_multiple()) * sm90_backward.rows_multiple()
+    n_pad = -(-n // sm90_backward.ROWS_PER_CTA) * sm90_backward.ROWS_PER_CTA
     pad = n_pad - n
     c1 = inv_t * (g_lse - g_logp)
     c2 = inv_t * g_logp

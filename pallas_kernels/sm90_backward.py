@@ -35,6 +35,7 @@ TILE_K = 64
 SWIZZLE = 128
 BLOCK_M = 64  # rows per consumer warpgroup
 NUM_WGS = 2  # consumer warpgroups per CTA (128 rows)
+ROWS_PER_CTA = BLOCK_M * NUM_WGS  # callers pad rows to a multiple of this
 BLOCK_N = 256  # columns per work item (wgmma N)
 STAGES = 4
 COL_GROUP = 4  # work order: column blocks in groups of 4, row blocks fastest inside
@@ -43,8 +44,7 @@ COL_GROUP = 4  # work order: column blocks in groups of 4, row blocks fastest in
 def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, interpret: bool,
              interpret_params=None):
   """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, bounds) -> dz [n_pad, chunk] bf16."""
-  bm, n_wg = BLOCK_M, NUM_WGS
-  cta_rows = bm * n_wg
+  bm, n_wg, cta_rows = BLOCK_M, NUM_WGS, ROWS_PER_CTA
   assert n_pad % cta_rows == 0 and chunk % BLOCK_N == 0 and d % TILE_K == 0
   n_rb, n_cb = n_pad // cta_rows, chunk // BLOCK_N
   k_iters = d // TILE_K
@@ -163,10 +163,6 @@ def _dz_core(*args, **static):
   return build_dz(**static)(*args)
 
 
-def rows_multiple() -> int:
-  return BLOCK_M * NUM_WGS
-
-
 def supported(hidden, weight, chunk: int) -> bool:
   """True if this kernel can form dz for these operands and chunk length."""
   return (sm90_forward.unsupported(hidden, weight) is None and chunk % BLOCK_N == 0)
@@ -176,7 +172,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, *, in
              interpret_params=None, num_ctas: int | None = None):
   """dz [n_pad, chunk] bf16 for one vocab chunk (see the module docstring).
 
-  hidden_p: [n_pad, D] bf16 with n_pad a multiple of `rows_multiple()`;
+  hidden_p: [n_pad, D] bf16 with n_pad a multiple of `ROWS_PER_CTA`;
   w_c: [chunk, D] bf16; bias_c: [chunk] f32 or None; targets_c: [n_pad] int32
   target column relative to the chunk (anything outside [0, chunk) never
   matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows;
@@ -186,7 +182,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, *, in
   """
   n_pad, d = hidden_p.shape
   chunk = w_c.shape[0]
-  work = (n_pad // rows_multiple()) * (chunk // BLOCK_N)
+  work = (n_pad // ROWS_PER_CTA) * (chunk // BLOCK_N)
   if num_ctas is None:
     num_ctas = 2 if interpret else tuning.default_num_sms()
   num_ctas = max(1, min(int(num_ctas), work))

@@ -123,7 +123,7 @@ def test_fused_path_padding_rows_get_no_gradient_with_a_large_bias():
     want = grad.backward(*args, vocab_size=vocab, chunk=chunk)
     calls = []
     got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=_reference_dz_kernel(calls))
-    assert calls and calls[0] == (pk.rows_multiple(), d)  # the fused path ran, on padded rows
+    assert calls and calls[0] == (pk.ROWS_PER_CTA, d)  # the fused path ran, on padded rows
     for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
         assert np.isfinite(np.asarray(g, np.float32)).all(), name
         assert _rel(g, e) < 1e-2, (name, _rel(g, e))
