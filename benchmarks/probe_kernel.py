@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next).")
+                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -185,7 +185,7 @@ class Probe:
         key = ref_key or (m, return_logits)
         # The M real rows only: a config with another rows/CTA pads to another n_pad
         # (m, s are [n_local, n_pad]), and whole arrays of different shapes never compare equal.
-        bits = [np.asarray(x)[:, :m] for x in out[:2]]
+        bits = [np.asarray(x)[:, :m] for x in out[:3]]
         if key not in self.ref_bits:
           self.ref_bits[key] = bits
           extra["bits"] = "reference"
@@ -374,6 +374,25 @@ def main(argv):
       p.kernel("epi_next", f"st{st} skip_epilogue", m, _v("prefill", f"s{st}", max_concurrent_steps=st),
                diag=("skip_epilogue",))
     p.kernel("epi_next", "g0 skip_epilogue", m, _v("prefill", "g0", split_group=0), diag=("skip_epilogue",))
+
+  if "ws" in groups:
+    # Dedicated epilogue warpgroups (sm90_forward_ws): the chain of group g runs while the
+    # wgmma warpgroups compute group g+1. Bytes are checked against the shipped bucket.
+    base = tuning.BUCKETS["prefill"]
+    for m in (4096, 16384, 1024):
+      p.kernel("ws", "prefill", m, base)
+      for ne in (1, 2):
+        p.kernel("ws", f"ws{ne}", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne))
+    m = 4096
+    for ne in (1, 2):
+      p.kernel("ws", f"ws{ne} skip_epilogue", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne), diag=("skip_epilogue",))
+      p.kernel("ws", f"ws{ne} g0", m, _v("prefill", f"ws{ne}g0", epilogue_wgs=ne, split_group=0))
+      p.kernel("ws", f"ws{ne} g8", m, _v("prefill", f"ws{ne}g8", epilogue_wgs=ne, split_group=8))
+    p.kernel("ws", "ws2 mma120", m, _v("prefill", "ws2r", epilogue_wgs=2, mma_registers=120))
+    p.kernel("ws", "ws1 st2", m, _v("prefill", "ws1s2", epilogue_wgs=1, max_concurrent_steps=2))
+    p.kernel("ws", "prefill serving", m, base, return_logits=True)
+    for ne in (1, 2):
+      p.kernel("ws", f"ws{ne} serving", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne), return_logits=True)
 
   if "large" in groups:
     m = 16384

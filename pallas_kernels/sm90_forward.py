@@ -183,6 +183,36 @@ def _zero_acc(acc_ref, bm, cols, interpret):
     acc_ref[...] = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
 
+def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, interpret, mask_always=False, diag=()):
+  """One tile of a split's chain plus the target capture: (m, S, z_t) -> (m', S', z_t').
+
+  z: [BM, 64] post-bias FP32 logits of global tile `tile`; t1: the split's end
+  tile; limit: the first column not owned by the chain (min(vocab, split end)).
+  The contract step is `tile_math.chain_tile`; only tiles reaching past
+  `limit` take the masked variant (on all others the masks are identities, so
+  both give the same bits); the branch is uniform across the CTA. Rows whose
+  target lies in this tile of this split take z at the target column as z_t.
+  Shared by every forward kernel, so they run the same per-tile program.
+  """
+  tcol0 = tile * TILE
+  col = col_iota + tcol0
+
+  def chain(m, s, z, col, masked):
+    return tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret, masked=masked, diag=diag)
+
+  if mask_always:
+    m, s, z_hit = chain(m, s, z, col, True)
+  else:
+    m, s, z_hit = lax.cond(
+        (tile + 1) * TILE <= limit,
+        lambda m, s, z, col: chain(m, s, z, col, False),
+        lambda m, s, z, col: chain(m, s, z, col, True),
+        m, s, z, col,
+    )
+  row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
+  return m, s, jnp.where(row_hit, z_hit, zt)
+
+
 def build_forward(
     *,
     n_pad: int,
@@ -212,6 +242,13 @@ def build_forward(
   runs it on the first tile of each group only; "ov_nopieces" (with
   overlap_epilogue) copies the accumulator out but runs no chain.
   """
+  if cfg.epilogue_wgs:
+    from pallas_kernels import sm90_forward_ws  # Lazy: it imports this module.
+
+    return sm90_forward_ws.build(
+        n_pad=n_pad, d=d, v_rows=v_rows, geom=geom, cfg=cfg, has_bias=has_bias, return_logits=return_logits,
+        num_ctas=num_ctas, interpret=interpret, interpret_params=interpret_params, lg_rows=lg_rows,
+        fused_ptx=fused_ptx, diag=diag)
   bm = cfg.block_m
   n_wg = cfg.num_compute_wgs
   if n_wg not in (1, 2):
@@ -529,26 +566,9 @@ def build_forward(
             if has_bias:
               b = _load(b_gmem.at[pl.ds(tcol0 - c0, TILE)], col_l, interpret)
               z = ops.add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
-            col = col_iota + tcol0
-
-            def chain(m, s, z, col, masked):
-              return tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret,
-                                          masked=masked, diag=chain_diag)
-
-            if mask_always:
-              m, s, z_hit = chain(m, s, z, col, True)
-            else:
-              # Only tiles reaching past the chain's limit (the vocab's or the
-              # split's end) need the padding masks; on all others they are
-              # identities. The branch is uniform across the CTA.
-              m, s, z_hit = lax.cond(
-                  (tile + 1) * TILE <= limit,
-                  lambda m, s, z, col: chain(m, s, z, col, False),
-                  lambda m, s, z, col: chain(m, s, z, col, True),
-                  m, s, z, col,
-              )
-            row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
-            zt = jnp.where(row_hit, z_hit, zt)
+            m, s, zt = chain_step(m, s, zt, z, tile=tile, t1=t1, limit=limit, tgt=tgt, invt_b=invt_b,
+                                  col_iota=col_iota, ops=ops, interpret=interpret, mask_always=mask_always,
+                                  diag=chain_diag)
             if return_logits:
               # Tile t of the work item uses staging slot t % slots; waiting
               # until at most slots - 1 stores are pending frees this slot.

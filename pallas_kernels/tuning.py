@@ -19,6 +19,11 @@ is how the fixed work is laid onto the GPU:
   CTAs running at once share both operands in L2),
 * `logits_slots`: staging buffers per consumer warpgroup for the serving
   entry's FP32 logits TMA stores (stores overlap the next tiles' epilogue),
+* `epilogue_wgs`: 0 runs the chain in the wgmma warpgroups between tile
+  groups (`sm90_forward`); 1 or 2 hands each finished accumulator through
+  shared memory to that many dedicated epilogue warpgroups
+  (`sm90_forward_ws`), so the next group's wgmmas run while the chain of the
+  previous one does; the operations and their order per tile are the same,
 * `overlap_epilogue`: at the end of a tile group each consumer warpgroup
   copies its accumulator to shared memory and runs the chain of that group in
   small pieces between the next group's wgmma issue and wait, so the tensor
@@ -55,6 +60,8 @@ class LaunchConfig:
   split_group: int = 0  # work order: 0 = row blocks fastest; G = G splits fastest within a group
   logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
   overlap_epilogue: bool = False  # chain of group g runs in pieces under group g+1's wgmmas
+  epilogue_wgs: int = 0  # >0: the chain runs in this many dedicated warpgroups (sm90_forward_ws)
+  mma_registers: int = 128  # sm90_forward_ws: registers per thread of the wgmma warpgroups
 
   @property
   def cta_rows(self) -> int:
@@ -87,6 +94,11 @@ SMEM_LIMIT = 224 * 1024
 def logits_staging_bytes(cfg: LaunchConfig) -> int:
   """SMEM of the serving entry's FP32 logits staging tiles (64 x 64 f32 each)."""
   return cfg.num_compute_wgs * cfg.logits_slots * cfg.block_m * 64 * 4
+
+
+def ws_dump_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
+  """SMEM of the accumulator hand-off buffers of `sm90_forward_ws` (one per wgmma warpgroup)."""
+  return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
 
 
 def overlap_dump_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
@@ -155,7 +167,8 @@ def describe(cfg: LaunchConfig) -> str:
   return (
       f"{cfg.name}: block_m={cfg.block_m} wgs={cfg.num_compute_wgs} rows/CTA={cfg.cta_rows} "
       f"stages={cfg.max_concurrent_steps} ctas/SM={cfg.ctas_per_sm} delay_release={cfg.delay_release} "
-      f"split_group={cfg.split_group} logits_slots={cfg.logits_slots} overlap_epilogue={cfg.overlap_epilogue}"
+      f"split_group={cfg.split_group} logits_slots={cfg.logits_slots} overlap_epilogue={cfg.overlap_epilogue} "
+      f"epilogue_wgs={cfg.epilogue_wgs} mma_registers={cfg.mma_registers}"
   )
 
 

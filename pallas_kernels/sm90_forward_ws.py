@@ -1,0 +1,306 @@
+"""The forward kernel with dedicated epilogue warpgroups (sm90, Pallas Mosaic GPU).
+
+Same outputs, same bits, same work items as `sm90_forward.build_forward`; a
+different division of labour inside a CTA, so the chain of one tile group no
+longer stalls the tensor cores:
+
+* one producer warpgroup streams H[rows, k-slice] and W[group columns,
+  k-slice] through a ring of `stages` shared-memory slots (TMA, 128B swizzle),
+* `num_compute_wgs` wgmma warpgroups (block_m rows each) run the K walk of a
+  tile group into their accumulator [block_m, 64*w] (k16 instructions
+  ascending, one accumulator zeroed per group: the contract's GEMM), then copy
+  it to their hand-off buffer in shared memory and go straight on with the
+  next group's wgmmas,
+* `epilogue_wgs` epilogue warpgroups take each hand-off buffer and run
+  `sm90_forward.chain_step` over its w tiles in ascending order (the same
+  per-tile program as the other kernel), store the serving entry's logits
+  from it by TMA, and hand the buffer back.
+
+Synchronization (mbarriers, no atomics): `full[slot]` (TMA bytes landed),
+`empty[slot]` (both wgmma warpgroups are done reading the slot),
+`dump_full[b]` / `dump_empty[b]` (hand-off buffer b filled / free). Every
+waiter waits on every phase in order; the initial "free" phases are primed by
+one arrival. Nothing here changes a bit: the accumulator a tile's chain reads
+is the same wgmma sequence, and the chain is the same program in the same
+order; only which warpgroup runs it, and when, differs.
+
+Shared memory: stages * (rows + 64 w) * 128 B for the ring plus
+num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
+2 x 64 rows: 3 stages = 120 KiB + 96 KiB).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import ptx_ops, sm90_forward, tuning
+
+F32 = jnp.float32
+TILE = sm90_forward.TILE
+TILE_K = sm90_forward.TILE_K
+SWIZZLE = sm90_forward.SWIZZLE
+PRODUCER_REGISTERS = 24
+MAX_REGISTERS = 232
+_KNOWN_DIAG = frozenset({"skip_epilogue"})
+
+
+def register_split(cfg: tuning.LaunchConfig) -> tuple[int, int, int]:
+  """(producer, wgmma, epilogue) registers per thread; they must fit 512 per 128-thread slice.
+
+  64K registers per SM = 512 per thread of one warpgroup; `setmaxnreg`
+  counts are multiples of 8.
+  """
+  mma = cfg.mma_registers
+  epi = min(MAX_REGISTERS, (512 - PRODUCER_REGISTERS - cfg.num_compute_wgs * mma) // cfg.epilogue_wgs // 8 * 8)
+  if mma % 8 or not 24 <= mma <= MAX_REGISTERS or epi < 24:
+    raise ValueError(f"register split does not fit: wgmma {mma}, epilogue {epi} ({tuning.describe(cfg)})")
+  return PRODUCER_REGISTERS, mma, epi
+
+
+def build(
+    *,
+    n_pad: int,
+    d: int,
+    v_rows: int,
+    geom: sm90_forward.ShardGeometry,
+    cfg: tuning.LaunchConfig,
+    has_bias: bool,
+    return_logits: bool,
+    num_ctas: int,
+    interpret: bool,
+    interpret_params=None,
+    lg_rows: int | None = None,
+    fused_ptx: bool = True,
+    diag: tuple[str, ...] = (),
+):
+  """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs of `build_forward`.
+
+  `diag` (timing only, NOT contract-keeping): "skip_epilogue" hands every
+  buffer back without running the chain.
+  """
+  if set(diag) - _KNOWN_DIAG:
+    raise ValueError(f"unknown diag {sorted(set(diag) - _KNOWN_DIAG)}; known: {sorted(_KNOWN_DIAG)}")
+  bm = cfg.block_m
+  n_mma, n_epi = cfg.num_compute_wgs, cfg.epilogue_wgs
+  if n_mma not in (1, 2) or n_epi not in (1, 2) or n_mma % n_epi:
+    raise ValueError(f"need 1 or 2 wgmma and epilogue warpgroups, the first a multiple of the second; "
+                     f"got {n_mma}, {n_epi}")
+  per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
+  reg_producer, reg_mma, reg_epi = register_split(cfg)
+  cta_rows = cfg.cta_rows
+  assert n_pad % cta_rows == 0
+  n_rb = n_pad // cta_rows
+  if d % TILE_K:
+    raise ValueError(f"hidden size D={d} must be a multiple of {TILE_K}")
+  k_iters = d // TILE_K
+  w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
+  c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
+  n_items = n_local * n_rb
+  dump_bytes = tuning.ws_dump_bytes(cfg, w)
+  stages = tuning.pipeline_stages(cfg, w, TILE_K, dump_bytes)
+  stage_bytes = (cta_rows + gcols) * TILE_K * 2
+  if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
+    raise ValueError(f"{stages} stages of {stage_bytes} B plus {dump_bytes} B of hand-off buffers exceed "
+                     f"{tuning.SMEM_LIMIT} B of shared memory")
+  sg = cfg.split_group
+  producer = n_mma + n_epi
+  skip_epilogue = "skip_epilogue" in diag
+  transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+  # The hand-off buffers are also the serving entry's TMA store sources: their
+  # swizzle must suit the logits row length (v_rows is a multiple of 8).
+  lg_swz = next(sw for sw in (128, 64, 32) if v_rows % (sw // 4) == 0)
+  dump_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
+  row_l = sm90_forward._row_layout()
+  col_l = sm90_forward._col_layout()
+  tile_l = plgpu.Layout.WGMMA
+  _load, _cast = sm90_forward._load, sm90_forward._cast
+
+  def kernel(*refs):
+    if has_bias:
+      h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, *rest = refs
+    else:
+      h_gmem, w_gmem, tgt_gmem, invt_gmem, *rest = refs
+      b_gmem = None
+    if return_logits:
+      m_out, s_out, zt_out, lg_out = rest
+    else:
+      (m_out, s_out, zt_out), lg_out = rest, None
+
+    scoped = dict(
+        h_smem=plgpu.SMEM((stages, cta_rows, TILE_K), jnp.bfloat16, transforms=transforms),
+        w_smem=plgpu.SMEM((stages, gcols, TILE_K), jnp.bfloat16, transforms=transforms),
+        dump=plgpu.SMEM((n_mma, w, bm, TILE), F32, transforms=dump_transforms),
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        empty=plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages),
+        dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+        dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+    )
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+    def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty):
+      wg = lax.axis_index("wg")
+      cta = lax.axis_index("cta")
+      n_mine = (n_items - 1 - cta) // num_ctas + 1  # work items of this CTA: cta, cta + num_ctas, ...
+
+      def item(li):
+        js, rb = sm90_forward._work_item(cta + li * num_ctas, n_local, n_rb, sg)
+        t0, t1 = sm90_forward._split_tiles(geom, js + j0)
+        return js, rb, t0, t1
+
+      def set_registers(n, action):
+        if not interpret:
+          plgpu.set_max_registers(n, action=action)
+
+      @pl.when(wg == producer)
+      def _producer():
+        set_registers(reg_producer, "decrease")
+
+        def item_body(li, step):
+          _, rb, t0, _ = item(li)
+          row0, wrow0 = rb * cta_rows, t0 * TILE - c0
+
+          def load_step(sk, step):
+            g = sk // k_iters
+            k = sk - g * k_iters
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(empty.at[slot])
+            plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * TILE_K, TILE_K)],
+                                    h_smem.at[slot], full.at[slot])
+            # Rows past the weight's end (the last group of the last split) read as zero (TMA fill).
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * TILE_K, TILE_K)],
+                                    w_smem.at[slot], full.at[slot])
+            return step + 1
+
+          return lax.fori_loop(0, n_groups * k_iters, load_step, step)
+
+        step = lax.fori_loop(0, n_mine, item_body, jnp.int32(0))
+        # Observe the releases of the last `stages` slots (no barrier phase is left unobserved).
+        for q in range(stages):
+          plgpu.barrier_wait(empty.at[lax.rem(step + q, stages)])
+
+      @pl.when(wg < n_mma)
+      def _wgmma():
+        set_registers(reg_mma, "increase")
+        for st in range(stages):  # every slot starts free
+          plgpu.barrier_arrive(empty.at[st])
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
+        def _acc_scope(acc_ref):
+          def k_step(k, carry):
+            acc_ref, step = carry
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(full.at[slot])
+            plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_smem.at[slot].T)
+            plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
+
+            @pl.when(k > 0)
+            def _release():
+              plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+
+            return acc_ref, step + 1
+
+          def group(g, carry):
+            acc_ref, step = lax.fori_loop(0, k_iters, k_step, carry)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+            plgpu.barrier_wait(dump_empty.at[wg])
+            z_all = acc_ref[...]
+            for i in range(w):
+              dump.at[wg, i][...] = z_all[:, i * TILE : (i + 1) * TILE]
+            sm90_forward._zero_acc(acc_ref, bm, gcols, interpret)
+            if return_logits:
+              plgpu.commit_smem()  # the epilogue's TMA stores read these writes
+            plgpu.barrier_arrive(dump_full.at[wg])
+            return acc_ref, step
+
+          def item_body(li, carry):
+            return lax.fori_loop(0, n_groups, group, carry)
+
+          lax.fori_loop(0, n_mine, item_body, (acc_ref, jnp.int32(0)))
+          plgpu.barrier_wait(dump_empty.at[wg])  # the last hand-back (no phase left unobserved)
+
+      @pl.when((wg >= n_mma) & (wg < producer))
+      def _epilogue():
+        set_registers(reg_epi, "increase")
+        ep = wg - n_mma
+        bufs = [ep * per_epi + q for q in range(per_epi)]
+        for b in bufs:  # every hand-off buffer starts free
+          plgpu.barrier_arrive(dump_empty.at[b])
+        col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
+        if not interpret:
+          col_iota = plgpu.layout_cast(col_iota, tile_l)
+
+        def item_body(li, _):
+          js, rb, t0, t1 = item(li)
+          limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
+          rows = [rb * cta_rows + b * bm for b in bufs]
+          tgts = [_load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+          invts = [_load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+          ops = ptx_ops.make_ops(interpret, sm90_forward._layout_of, source=invts[0], fused=fused_ptx)
+          init = tuple(
+              (_cast(jnp.full((bm,), -jnp.inf, F32), row_l, interpret), _cast(jnp.zeros((bm,), F32), row_l, interpret),
+               _cast(jnp.zeros((bm,), F32), row_l, interpret))
+              for _ in bufs
+          )
+
+          def group(g, state):
+            new = []
+            for q, b in enumerate(bufs):
+              m, s, zt = state[q]
+              plgpu.barrier_wait(dump_full.at[b])
+              invt_b = jnp.broadcast_to(invts[q][:, None], (bm, TILE))
+              for i in range(0 if skip_epilogue else w):
+                tile = t0 + g * w + i  # global tile index
+                z = _load(dump.at[b, i], tile_l, interpret)
+                if has_bias:  # z = fl(acc + b)
+                  bias = _load(b_gmem.at[pl.ds(tile * TILE - c0, TILE)], col_l, interpret)
+                  z = ops.add(z, jnp.broadcast_to(bias[None, :], (bm, TILE)))
+                m, s, zt = sm90_forward.chain_step(m, s, zt, z, tile=tile, t1=t1, limit=limit, tgt=tgts[q],
+                                                   invt_b=invt_b, col_iota=col_iota, ops=ops, interpret=interpret)
+                if return_logits:
+                  @pl.when(tile < t1)
+                  def _store():
+                    if has_bias:  # the buffer holds acc; the logits are z
+                      dump.at[b, i][...] = z
+                      plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dump.at[b, i], lg_out.at[pl.ds(rows[q], bm), pl.ds(tile * TILE - c0, TILE)])
+              if return_logits:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
+              plgpu.barrier_arrive(dump_empty.at[b])
+              new.append((_cast(m, row_l, interpret), _cast(s, row_l, interpret), _cast(zt, row_l, interpret)))
+            return tuple(new)
+
+          state = lax.fori_loop(0, n_groups, group, init)
+          for q, r in enumerate(rows):
+            m, s, zt = state[q]
+            m_out.at[js, pl.ds(r, bm)][...] = m
+            s_out.at[js, pl.ds(r, bm)][...] = s
+            zt_out.at[js, pl.ds(r, bm)][...] = zt
+          return 0
+
+        lax.fori_loop(0, n_mine, item_body, 0)
+        if return_logits:
+          plgpu.wait_smem_to_gmem(0)
+
+  out_shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
+  if return_logits:
+    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, v_rows), F32))
+  kw = {}
+  if interpret:
+    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
+  return plgpu.kernel(
+      kernel,
+      out_type=tuple(out_shapes),
+      grid=(num_ctas,),
+      grid_names=("cta",),
+      num_threads=producer + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=False),
+      **kw,
+  )
