@@ -388,7 +388,7 @@ def main(argv):
       p.kernel("ws", f"ws{ne} skip_epilogue", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne), diag=("skip_epilogue",))
       p.kernel("ws", f"ws{ne} g0", m, _v("prefill", f"ws{ne}g0", epilogue_wgs=ne, split_group=0))
       p.kernel("ws", f"ws{ne} g8", m, _v("prefill", f"ws{ne}g8", epilogue_wgs=ne, split_group=8))
-    p.kernel("ws", "ws2 mma120", m, _v("prefill", "ws2r", epilogue_wgs=2, mma_registers=120))
+    p.kernel("ws", "ws2 mma128", m, _v("prefill", "ws2r", epilogue_wgs=2, mma_registers=128))
     p.kernel("ws", "ws1 st2", m, _v("prefill", "ws1s2", epilogue_wgs=1, max_concurrent_steps=2))
     p.kernel("ws", "prefill serving", m, base, return_logits=True)
     for ne in (1, 2):

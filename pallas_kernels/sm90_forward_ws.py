@@ -51,13 +51,19 @@ _KNOWN_DIAG = frozenset({"skip_epilogue"})
 
 
 def register_split(cfg: tuning.LaunchConfig) -> tuple[int, int, int]:
-  """(producer, wgmma, epilogue) registers per thread; they must fit 512 per 128-thread slice.
+  """(producer, wgmma, epilogue) registers per thread for `setmaxnreg`.
 
-  64K registers per SM = 512 per thread of one warpgroup; `setmaxnreg`
-  counts are multiples of 8.
+  The CTA launches with floor(64K / threads) registers per thread (rounded
+  down to a multiple of 8: 128 for 4 warpgroups, 96 for 5) and `setmaxnreg`
+  only moves registers between its warpgroups, so the counts must sum to at
+  most warpgroups * that (or an increase waits forever). `mma_registers` 0
+  picks 128 (4 warpgroups) or 120 (5): the accumulator alone is 96.
   """
-  mma = cfg.mma_registers
-  epi = min(MAX_REGISTERS, (512 - PRODUCER_REGISTERS - cfg.num_compute_wgs * mma) // cfg.epilogue_wgs // 8 * 8)
+  n_wgs = cfg.num_compute_wgs + cfg.epilogue_wgs + 1
+  launch = 65536 // (n_wgs * 128) // 8 * 8
+  pool = n_wgs * launch
+  mma = cfg.mma_registers or (128 if n_wgs <= 4 else 120)
+  epi = min(MAX_REGISTERS, (pool - PRODUCER_REGISTERS - cfg.num_compute_wgs * mma) // cfg.epilogue_wgs // 8 * 8)
   if mma % 8 or not 24 <= mma <= MAX_REGISTERS or epi < 24:
     raise ValueError(f"register split does not fit: wgmma {mma}, epilogue {epi} ({tuning.describe(cfg)})")
   return PRODUCER_REGISTERS, mma, epi

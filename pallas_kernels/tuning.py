@@ -61,7 +61,7 @@ class LaunchConfig:
   logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
   overlap_epilogue: bool = False  # chain of group g runs in pieces under group g+1's wgmmas
   epilogue_wgs: int = 0  # >0: the chain runs in this many dedicated warpgroups (sm90_forward_ws)
-  mma_registers: int = 128  # sm90_forward_ws: registers per thread of the wgmma warpgroups
+  mma_registers: int = 0  # sm90_forward_ws: registers per wgmma-warpgroup thread (0: auto)
 
   @property
   def cta_rows(self) -> int:
