@@ -376,23 +376,21 @@ def main(argv):
     p.kernel("epi_next", "g0 skip_epilogue", m, _v("prefill", "g0", split_group=0), diag=("skip_epilogue",))
 
   if "ws" in groups:
-    # Dedicated epilogue warpgroups (sm90_forward_ws): the chain of group g runs while the
+    # Dedicated epilogue warpgroup (sm90_forward_ws): the chain of group g runs while the
     # wgmma warpgroups compute group g+1. Bytes are checked against the shipped bucket.
     base = tuning.BUCKETS["prefill"]
+    ws = lambda name, **kw: _v("prefill", name, epilogue_wgs=1, **kw)
     for m in (4096, 16384, 1024):
       p.kernel("ws", "prefill", m, base)
-      for ne in (1, 2):
-        p.kernel("ws", f"ws{ne}", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne))
+      p.kernel("ws", "ws1", m, ws("ws1"))
     m = 4096
-    for ne in (1, 2):
-      p.kernel("ws", f"ws{ne} skip_epilogue", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne), diag=("skip_epilogue",))
-      p.kernel("ws", f"ws{ne} g0", m, _v("prefill", f"ws{ne}g0", epilogue_wgs=ne, split_group=0))
-      p.kernel("ws", f"ws{ne} g8", m, _v("prefill", f"ws{ne}g8", epilogue_wgs=ne, split_group=8))
-    p.kernel("ws", "ws2 mma128", m, _v("prefill", "ws2r", epilogue_wgs=2, mma_registers=128))
-    p.kernel("ws", "ws1 st2", m, _v("prefill", "ws1s2", epilogue_wgs=1, max_concurrent_steps=2))
+    for sps in (1, 4, 8):
+      p.kernel("ws", f"ws1 sps{sps}", m, ws(f"ws1s{sps}", epilogue_slices=sps))
+    p.kernel("ws", "ws1 skip_epilogue", m, ws("ws1"), diag=("skip_epilogue",))
+    p.kernel("ws", "ws1 g0", m, ws("ws1g0", split_group=0))
+    p.kernel("ws", "ws1 g8", m, ws("ws1g8", split_group=8))
     p.kernel("ws", "prefill serving", m, base, return_logits=True)
-    for ne in (1, 2):
-      p.kernel("ws", f"ws{ne} serving", m, _v("prefill", f"ws{ne}", epilogue_wgs=ne), return_logits=True)
+    p.kernel("ws", "ws1 serving", m, ws("ws1"), return_logits=True)
 
   if "large" in groups:
     m = 16384

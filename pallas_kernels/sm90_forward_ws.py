@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import ptx_ops, sm90_forward, tuning
+from pallas_kernels import ptx_ops, sm90_forward, tile_math, tuning
 
 F32 = jnp.float32
 TILE = sm90_forward.TILE
@@ -118,10 +118,9 @@ def build(
   producer = n_mma + n_epi
   skip_epilogue = "skip_epilogue" in diag
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-  # The hand-off buffers are also the serving entry's TMA store sources: their
-  # swizzle must suit the logits row length (v_rows is a multiple of 8).
-  lg_swz = next(sw for sw in (128, 64, 32) if v_rows % (sw // 4) == 0)
-  dump_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
+  sps = cfg.epilogue_slices
+  if sps not in (1, 2, 4, 8):
+    raise ValueError(f"epilogue_slices must be 1, 2, 4 or 8, got {sps}")
   row_l = sm90_forward._row_layout()
   col_l = sm90_forward._col_layout()
   tile_l = plgpu.Layout.WGMMA
@@ -141,7 +140,10 @@ def build(
     scoped = dict(
         h_smem=plgpu.SMEM((stages, cta_rows, TILE_K), jnp.bfloat16, transforms=transforms),
         w_smem=plgpu.SMEM((stages, gcols, TILE_K), jnp.bfloat16, transforms=transforms),
-        dump=plgpu.SMEM((n_mma, w, bm, TILE), F32, transforms=dump_transforms),
+        # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
+        # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
+        # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
+        dump=plgpu.SMEM((n_mma, w, 8, bm, 8), F32),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         empty=plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages),
         dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
@@ -218,7 +220,8 @@ def build(
             plgpu.barrier_wait(dump_empty.at[wg])
             z_all = acc_ref[...]
             for i in range(w):
-              dump.at[wg, i][...] = z_all[:, i * TILE : (i + 1) * TILE]
+              for j in range(8):
+                dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
             sm90_forward._zero_acc(acc_ref, bm, gcols, interpret)
             if return_logits:
               plgpu.commit_smem()  # the epilogue's TMA stores read these writes
@@ -238,9 +241,8 @@ def build(
         bufs = [ep * per_epi + q for q in range(per_epi)]
         for b in bufs:  # every hand-off buffer starts free
           plgpu.barrier_arrive(dump_empty.at[b])
-        col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
-        if not interpret:
-          col_iota = plgpu.layout_cast(col_iota, tile_l)
+        row_cast = lambda x: _cast(x, row_l, interpret)
+        tile_cast = lambda x: _cast(x, tile_l, interpret)
 
         def item_body(li, _):
           js, rb, t0, t1 = item(li)
@@ -249,37 +251,46 @@ def build(
           tgts = [_load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
           invts = [_load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
           ops = ptx_ops.make_ops(interpret, sm90_forward._layout_of, source=invts[0], fused=fused_ptx)
-          init = tuple(
-              (_cast(jnp.full((bm,), -jnp.inf, F32), row_l, interpret), _cast(jnp.zeros((bm,), F32), row_l, interpret),
-               _cast(jnp.zeros((bm,), F32), row_l, interpret))
-              for _ in bufs
-          )
+          init = tuple((row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.zeros((bm,), F32)),
+                        row_cast(jnp.zeros((bm,), F32))) for _ in bufs)
+
+          def tile_chain(q, b, g):
+            def body(i, st):
+              m, s, zt = st
+              tile = t0 + g * w + i  # global tile index
+              tcol0 = tile * TILE
+              if has_bias:  # z = fl(acc + b), written back: both chain passes and the logits read z
+                for j in range(8):
+                  bias = _load(b_gmem.at[pl.ds(tcol0 - c0 + 8 * j, 8)], col_l, interpret)
+                  zj = _load(dump.at[b, i, j], tile_l, interpret)
+                  dump.at[b, i, j][...] = tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, 8))))
+              if return_logits:
+                @pl.when(tile < t1)
+                def _store():
+                  if has_bias:
+                    plgpu.commit_smem()
+                  for j in range(8):
+                    plgpu.copy_smem_to_gmem(dump.at[b, i, j],
+                                            lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + 8 * j, 8)])
+              m2, s2, z_hit = tile_math.chain_tile_sliced(
+                  m, s, lambda j: _load(dump.at[b, i, j], tile_l, interpret), tcol0, tgts[q], invts[q], limit,
+                  (tile + 1) * TILE <= limit, ops, interpret=interpret, tile_cast=tile_cast, row_cast=row_cast,
+                  slices_per_step=sps)
+              row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
+              return row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt))
+            return body
 
           def group(g, state):
             new = []
             for q, b in enumerate(bufs):
-              m, s, zt = state[q]
               plgpu.barrier_wait(dump_full.at[b])
-              invt_b = jnp.broadcast_to(invts[q][:, None], (bm, TILE))
-              for i in range(0 if skip_epilogue else w):
-                tile = t0 + g * w + i  # global tile index
-                z = _load(dump.at[b, i], tile_l, interpret)
-                if has_bias:  # z = fl(acc + b)
-                  bias = _load(b_gmem.at[pl.ds(tile * TILE - c0, TILE)], col_l, interpret)
-                  z = ops.add(z, jnp.broadcast_to(bias[None, :], (bm, TILE)))
-                m, s, zt = sm90_forward.chain_step(m, s, zt, z, tile=tile, t1=t1, limit=limit, tgt=tgts[q],
-                                                   invt_b=invt_b, col_iota=col_iota, ops=ops, interpret=interpret)
-                if return_logits:
-                  @pl.when(tile < t1)
-                  def _store():
-                    if has_bias:  # the buffer holds acc; the logits are z
-                      dump.at[b, i][...] = z
-                      plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dump.at[b, i], lg_out.at[pl.ds(rows[q], bm), pl.ds(tile * TILE - c0, TILE)])
+              st = state[q]
+              if not skip_epilogue:
+                st = lax.fori_loop(0, w, tile_chain(q, b, g), st)
               if return_logits:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
               plgpu.barrier_arrive(dump_empty.at[b])
-              new.append((_cast(m, row_l, interpret), _cast(s, row_l, interpret), _cast(zt, row_l, interpret)))
+              new.append(st)
             return tuple(new)
 
           state = lax.fori_loop(0, n_groups, group, init)

@@ -90,3 +90,95 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
 
 # The contract's log is shared with the XLA lane (same code, kernel ops).
 plog = numerics.plog
+
+
+def slice_sum8(e, ops, *, interpret: bool):
+  """Levels 1-3 of tree64 over one 8-column slice e [BM, 8]: ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)).
+
+  On the GPU this is `jnp.sum(e, axis=1)` (in-thread pair, then butterfly
+  shuffles xor 1 and xor 2: see `tree64`); in interpret mode explicit pinned
+  adds (XLA's reduce order is unspecified).
+  """
+  if not interpret:
+    return jnp.sum(e, axis=1)
+  cols = [e[:, c] for c in range(8)]
+  while len(cols) > 1:
+    cols = [ops.add(cols[2 * i], cols[2 * i + 1]) for i in range(len(cols) // 2)]
+  return cols[0]
+
+
+def pairwise(vals, ops):
+  """The adjacent-pairwise balanced tree over a power-of-two list (pinned adds)."""
+  assert len(vals) & (len(vals) - 1) == 0, len(vals)
+  while len(vals) > 1:
+    vals = [ops.add(vals[2 * i], vals[2 * i + 1]) for i in range(len(vals) // 2)]
+  return vals[0]
+
+
+def chain_tile_sliced(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, *, interpret: bool,
+                      tile_cast, row_cast, slices_per_step: int = 2):
+  """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
+
+  load_slice(j) returns slice j (traced j allowed): the post-bias FP32 logits
+  of columns tcol0 + 8j ... + 8. Same contract step, same operations on every
+  lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
+  the row max (exact, so the max of the slice maxima is the tile max) and the
+  target capture; pass 2 reads them again (y recomputed: the same rounded
+  multiply of the same operands) for e = pexp(y - m') and the slice sums
+  (tree levels 1-3), in a loop of 8 / slices_per_step steps so the code stays
+  small; levels 4-6 are pinned pairwise adds. `full` (traced bool): every lane
+  of the tile is valid, the masks are skipped in pass 2 (identities then).
+  tile_cast / row_cast put [BM, 8] / [BM] arrays in the kernel's register
+  layouts (identities in interpret mode).
+  Returns (m', S', z_hit) as `chain_tile` does.
+  """
+  bm = m.shape[0]
+  neg_inf = jnp.asarray(NEG_INF, F32)
+  iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
+  inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
+  tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
+  tm = z_hit = None
+  for j in range(8):
+    z = load_slice(j)
+    col = iota8 + (tcol0 + 8 * j)
+    y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
+    tj = jnp.max(y, axis=1)
+    hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
+    tm = tj if tm is None else jnp.maximum(tm, tj)
+    z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
+  m_new = jnp.maximum(m, tm)
+  alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
+  m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
+
+  def slice_part(j, masked):
+    z = load_slice(j)
+    y = ops.mul(z, inv_b)
+    if masked:
+      valid = (iota8 + (tcol0 + 8 * j)) < m_limit
+      y = jnp.where(valid, y, neg_inf)
+    e = ops.exp_diff(y, m_b)
+    if masked:
+      e = jnp.where(valid, e, jnp.asarray(0.0, F32))
+    return slice_sum8(e, ops, interpret=interpret)
+
+  n_steps = 8 // slices_per_step
+  assert n_steps * slices_per_step == 8, slices_per_step
+
+  def step_sum(k):
+    def sums(masked):
+      return pairwise([slice_part(k * slices_per_step + q, masked) for q in range(slices_per_step)], ops)
+    return lax.cond(full, lambda: sums(False), lambda: sums(True))
+
+  if n_steps == 1:
+    tree = step_sum(0)
+  else:
+    def step(k, parts):
+      v = step_sum(k)
+      kk = row_cast(jnp.full((bm,), k, jnp.int32))  # the step index as a row vector (no scalar broadcast in selects)
+      return tuple(row_cast(jnp.where(kk == q, v, parts[q])) for q in range(n_steps))
+
+    zero = jnp.zeros((bm,), F32)
+    parts = lax.fori_loop(0, n_steps, step, tuple(row_cast(zero) for _ in range(n_steps)))
+    tree = pairwise(list(parts), ops)
+  s_new = ops.add(ops.mul(s, alpha), tree)
+  return m_new, s_new, z_hit

@@ -62,6 +62,7 @@ class LaunchConfig:
   overlap_epilogue: bool = False  # chain of group g runs in pieces under group g+1's wgmmas
   epilogue_wgs: int = 0  # >0: the chain runs in this many dedicated warpgroups (sm90_forward_ws)
   mma_registers: int = 0  # sm90_forward_ws: registers per wgmma-warpgroup thread (0: auto)
+  epilogue_slices: int = 2  # sm90_forward_ws: 8-column slices per step of the chain's exp loop
 
   @property
   def cta_rows(self) -> int:
