@@ -380,17 +380,25 @@ def main(argv):
     # wgmma warpgroups compute group g+1. Bytes are checked against the shipped bucket.
     base = tuning.BUCKETS["prefill"]
     ws = lambda name, **kw: _v("prefill", name, epilogue_wgs=1, **kw)
-    for m in (4096, 16384, 1024):
-      p.kernel("ws", "prefill", m, base)
-      p.kernel("ws", "ws1", m, ws("ws1"))
     m = 4096
-    for sps in (1, 4, 8):
-      p.kernel("ws", f"ws1 sps{sps}", m, ws(f"ws1s{sps}", epilogue_slices=sps))
-    p.kernel("ws", "ws1 skip_epilogue", m, ws("ws1"), diag=("skip_epilogue",))
-    p.kernel("ws", "ws1 g0", m, ws("ws1g0", split_group=0))
-    p.kernel("ws", "ws1 g8", m, ws("ws1g8", split_group=8))
+    p.kernel("ws", "prefill", m, base)
+    p.kernel("ws", "ws1 tk64", m, ws("ws1"))
+    p.kernel("ws", "ws1 tk64 auto_barriers", m, ws("ws1ab", auto_barriers=True))
+    p.kernel("ws", "ws1 tk64 skip_epilogue", m, ws("ws1"), diag=("skip_epilogue",))
+    for st in (4, 6):
+      p.kernel("ws", f"ws1 tk32 st{st}", m, ws(f"ws1k32s{st}", tile_k=32, max_concurrent_steps=st))
+      p.kernel("ws", f"ws1 tk32 st{st} skip_epilogue", m, ws(f"ws1k32s{st}", tile_k=32, max_concurrent_steps=st),
+               diag=("skip_epilogue",))
+    for g in (0, 8):
+      p.kernel("ws", f"ws1 tk32 st6 g{g}", m, ws(f"ws1k32g{g}", tile_k=32, max_concurrent_steps=6, split_group=g))
+    for m in (16384, 1024):
+      p.kernel("ws", "prefill", m, base)
+      p.kernel("ws", "ws1 tk64", m, ws("ws1"))
+      p.kernel("ws", "ws1 tk32 st6", m, ws("ws1k32s6", tile_k=32, max_concurrent_steps=6))
+    m = 4096
     p.kernel("ws", "prefill serving", m, base, return_logits=True)
-    p.kernel("ws", "ws1 serving", m, ws("ws1"), return_logits=True)
+    p.kernel("ws", "ws1 tk64 serving", m, ws("ws1"), return_logits=True)
+    p.kernel("ws", "ws1 tk32 st6 serving", m, ws("ws1k32s6", tile_k=32, max_concurrent_steps=6), return_logits=True)
 
   if "large" in groups:
     m = 16384

@@ -43,8 +43,6 @@ from pallas_kernels import ptx_ops, sm90_forward, tile_math, tuning
 
 F32 = jnp.float32
 TILE = sm90_forward.TILE
-TILE_K = sm90_forward.TILE_K
-SWIZZLE = sm90_forward.SWIZZLE
 PRODUCER_REGISTERS = 24
 MAX_REGISTERS = 232
 _KNOWN_DIAG = frozenset({"skip_epilogue"})
@@ -102,22 +100,27 @@ def build(
   cta_rows = cfg.cta_rows
   assert n_pad % cta_rows == 0
   n_rb = n_pad // cta_rows
-  if d % TILE_K:
-    raise ValueError(f"hidden size D={d} must be a multiple of {TILE_K}")
-  k_iters = d // TILE_K
+  tile_k = cfg.tile_k
+  if tile_k not in (32, 64):
+    raise ValueError(f"tile_k must be 32 or 64, got {tile_k}")
+  if d % tile_k:
+    raise ValueError(f"hidden size D={d} must be a multiple of {tile_k}")
+  k_iters = d // tile_k
   w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
   c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
   n_items = n_local * n_rb
   dump_bytes = tuning.ws_dump_bytes(cfg, w)
-  stages = tuning.pipeline_stages(cfg, w, TILE_K, dump_bytes)
-  stage_bytes = (cta_rows + gcols) * TILE_K * 2
+  stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
+  stage_bytes = (cta_rows + gcols) * tile_k * 2
   if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
     raise ValueError(f"{stages} stages of {stage_bytes} B plus {dump_bytes} B of hand-off buffers exceed "
                      f"{tuning.SMEM_LIMIT} B of shared memory")
   sg = cfg.split_group
   producer = n_mma + n_epi
   skip_epilogue = "skip_epilogue" in diag
-  transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+  # One K slice of tile_k bf16 = one swizzle row (64 -> 128B, 32 -> 64B). The wgmma
+  # instruction sequence per accumulator (k16 ascending) does not depend on it.
+  transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(2 * tile_k))
   sps = cfg.epilogue_slices
   if sps not in (1, 2, 4, 8):
     raise ValueError(f"epilogue_slices must be 1, 2, 4 or 8, got {sps}")
@@ -138,8 +141,8 @@ def build(
       (m_out, s_out, zt_out), lg_out = rest, None
 
     scoped = dict(
-        h_smem=plgpu.SMEM((stages, cta_rows, TILE_K), jnp.bfloat16, transforms=transforms),
-        w_smem=plgpu.SMEM((stages, gcols, TILE_K), jnp.bfloat16, transforms=transforms),
+        h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
+        w_smem=plgpu.SMEM((stages, gcols, tile_k), jnp.bfloat16, transforms=transforms),
         # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
         # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
         # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
@@ -178,10 +181,10 @@ def build(
             k = sk - g * k_iters
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(empty.at[slot])
-            plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * TILE_K, TILE_K)],
+            plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * tile_k, tile_k)],
                                     h_smem.at[slot], full.at[slot])
             # Rows past the weight's end (the last group of the last split) read as zero (TMA fill).
-            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * TILE_K, TILE_K)],
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)],
                                     w_smem.at[slot], full.at[slot])
             return step + 1
 
@@ -318,6 +321,12 @@ def build(
       grid_names=("cta",),
       num_threads=producer + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=False),
+      # No automatic warpgroup barriers around SMEM accesses: every hand-off buffer
+      # element is written by one thread of a wgmma warpgroup and read (bias:
+      # rewritten) by the thread of the same lane in the epilogue warpgroup, ordered
+      # by the dump_full / dump_empty mbarriers; TMA and wgmma reads of the ring
+      # are ordered by full / empty; commit_smem (fence + warpgroup barrier)
+      # precedes every TMA store of the buffer.
+      compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=not cfg.auto_barriers),
       **kw,
   )

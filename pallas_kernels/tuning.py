@@ -63,6 +63,8 @@ class LaunchConfig:
   epilogue_wgs: int = 0  # >0: the chain runs in this many dedicated warpgroups (sm90_forward_ws)
   mma_registers: int = 0  # sm90_forward_ws: registers per wgmma-warpgroup thread (0: auto)
   epilogue_slices: int = 2  # sm90_forward_ws: 8-column slices per step of the chain's exp loop
+  tile_k: int = 64  # sm90_forward_ws: K slice per pipeline stage (64: 128B swizzle, 32: 64B)
+  auto_barriers: bool = False  # sm90_forward_ws: keep Pallas's automatic warpgroup barriers (timing only)
 
   @property
   def cta_rows(self) -> int:

@@ -7,6 +7,6 @@ set -u
 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
 TAILN=30 stage probe_ws 240 python3 -m benchmarks.probe_kernel --groups ws --out "$OUT/probe_ws.jsonl" --budget_s 210
-TAILN=12 stage sass_ws1 90 bash -c "EPILOGUE_WGS=1 bash benchmarks/sass_dump.sh $OUT/sass_ws1"
+
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader
 finish
