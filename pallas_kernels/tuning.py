@@ -78,11 +78,15 @@ BUCKETS: dict[str, LaunchConfig] = {
     "decode": LaunchConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=6, ctas_per_sm=1),
     # Two consumer warpgroups, 64 rows each.
     "small": LaunchConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
-    # Large M: 2 x 64 rows per CTA, deeper pipeline; work items in groups of 4
-    # splits so the CTAs running at once share hidden rows in L2 (M=16384 on an
-    # H200: 35.8 ms vs 39.8 ms with row blocks fastest, benchmarks/probe_kernel.py).
-    "prefill": LaunchConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=5, ctas_per_sm=1,
-                            split_group=4),
+    # Large M: 2 x 64 rows per CTA in two wgmma warpgroups plus one dedicated
+    # epilogue warpgroup fed through shared memory (sm90_forward_ws: 3 stages of
+    # 40 KiB + 96 KiB of hand-off buffers), so the chain of a tile group runs
+    # under the next group's wgmmas (H200, kernel-only: M=4096 7.90 vs 8.62 ms,
+    # M=16384 31.2 vs 35.3 ms for the chain in the wgmma warpgroups;
+    # benchmarks/results/h200_2026-11-30c/probe_ws3.jsonl). Work items in groups
+    # of 4 splits so the CTAs running at once share hidden rows in L2.
+    "prefill": LaunchConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3, ctas_per_sm=1,
+                            split_group=4, epilogue_wgs=1),
 }
 
 # Shared memory the TMA pipeline may use per CTA (H200: 227 KiB per block;
