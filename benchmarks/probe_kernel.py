@@ -400,6 +400,20 @@ def main(argv):
     p.kernel("ws", "ws1 tk64 serving", m, ws("ws1"), return_logits=True)
     p.kernel("ws", "ws1 tk32 st6 serving", m, ws("ws1k32s6", tile_k=32, max_concurrent_steps=6), return_logits=True)
 
+  if "ws_pipe" in groups:
+    # Why the ws pipeline alone (skip_epilogue) runs at ~7.4 ms while the chain-in-wgmma
+    # kernel at 3 stages without its chain ran at ~5.4 ms (probe_epi_next.jsonl).
+    m = 4096
+    base = tuning.BUCKETS["prefill"]
+    p.kernel("ws_pipe", "prefill(ws)", m, base)
+    p.kernel("ws_pipe", "prefill(ws) skip", m, base, diag=("skip_epilogue",))
+    p.kernel("ws_pipe", "ws st2 skip", m, _v("prefill", "st2", max_concurrent_steps=2), diag=("skip_epilogue",))
+    p.kernel("ws_pipe", "ws g0 skip", m, _v("prefill", "g0", split_group=0), diag=("skip_epilogue",))
+    p.kernel("ws_pipe", "old st3 skip", m, _v("prefill", "old3", epilogue_wgs=0), diag=("skip_epilogue",))
+    p.kernel("ws_pipe", "old st3", m, _v("prefill", "old3", epilogue_wgs=0))
+    p.kernel("ws_pipe", "old st5 skip", m, _v("prefill", "old5", epilogue_wgs=0, max_concurrent_steps=5),
+             diag=("skip_epilogue",))
+
   if "large" in groups:
     m = 16384
     p.kernel("large", "prefill", m, tuning.BUCKETS["prefill"])
