@@ -89,7 +89,7 @@ def _kernel_fn(m, cfg, *, return_logits=False, diag=()):
   @jax.jit
   def run(h, w, t, invt):
     return sm90_forward._forward_core(
-        h, w, t, invt, n_pad=n_pad, d=D, v_rows=V_ROWS, geom=geom, cfg=cfg, has_bias=False,
+        h, w, t, invt, n_pad=n_pad, d=D, lg_cols=V_ROWS, geom=geom, cfg=cfg, has_bias=False,
         return_logits=return_logits, num_ctas=num_ctas, interpret=False, interpret_params=None,
         lg_rows=lg_rows, fused_ptx=True, diag=tuple(diag))
 

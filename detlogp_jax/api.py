@@ -163,10 +163,13 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
     be = backends.get(cfg.backend)
     kw = be.tuning_kwargs(cfg.tuning)
     if be.contract_bearing:
+        # logits_cols: the backend writes the real vocabulary's columns only, so the
+        # serving entry never copies an [N, V_rows] array to drop the padding columns.
         m, s, z_t, owned, logits = be.partials(
             hidden, weight, bias, targets, inv_t,
             vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
-            return_logits=cfg.return_logits, **kw,
+            return_logits=cfg.return_logits,
+            logits_cols=min(cfg.vocab_size, weight.shape[0]) if cfg.return_logits else None, **kw,
         )
         logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
     else:

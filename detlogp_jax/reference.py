@@ -93,6 +93,7 @@ def partials(
     col_offset: int = 0,
     shard_cols: int | None = None,
     return_logits: bool = False,
+    logits_cols: int | None = None,
     row_block: int | None = None,
 ):
     """Split partials of the contract for rows of `hidden` against `weight`.
@@ -100,7 +101,8 @@ def partials(
     weight [Vl, D] holds the rows of global columns [col_offset, col_offset+Vl);
     columns of the shard beyond Vl (an unpadded weight) and columns >= vocab_size
     are padding. Returns (m, s) [N, n_local], the owner's raw z_t [N] (valid
-    where `owned`), and, with `return_logits`, logits [N, Vl] f32.
+    where `owned`), and, with `return_logits`, logits [N, Vl] f32 (only the
+    first `logits_cols` columns if given).
     """
     shard_cols = padded_vocab_size - col_offset if shard_cols is None else shard_cols
     starts, ends = _local_plan(padded_vocab_size, col_offset, shard_cols)
@@ -146,6 +148,10 @@ def partials(
         flat_cols = np.asarray(cols).reshape(-1)
         pos = np.nonzero(flat_cols >= 0)[0]
         order[flat_cols[pos] - col_offset] = pos
+        if logits_cols is not None:
+            if not 1 <= logits_cols <= v_local:
+                raise ValueError(f"logits_cols must be in [1, {v_local}], got {logits_cols}")
+            order = order[:logits_cols]
         logits = zs[:, order]
     return unblock(m), unblock(s), unblock(z_t), unblock(owned), logits
 

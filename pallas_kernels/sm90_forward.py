@@ -217,7 +217,7 @@ def build_forward(
     *,
     n_pad: int,
     d: int,
-    v_rows: int,
+    lg_cols: int,
     geom: ShardGeometry,
     cfg: tuning.LaunchConfig,
     has_bias: bool,
@@ -246,7 +246,7 @@ def build_forward(
     from pallas_kernels import sm90_forward_ws  # Lazy: it imports this module.
 
     return sm90_forward_ws.build(
-        n_pad=n_pad, d=d, v_rows=v_rows, geom=geom, cfg=cfg, has_bias=has_bias, return_logits=return_logits,
+        n_pad=n_pad, d=d, lg_cols=lg_cols, geom=geom, cfg=cfg, has_bias=has_bias, return_logits=return_logits,
         num_ctas=num_ctas, interpret=interpret, interpret_params=interpret_params, lg_rows=lg_rows,
         fused_ptx=fused_ptx, diag=diag)
   bm = cfg.block_m
@@ -333,8 +333,8 @@ def build_forward(
     )
     # TMA needs the logits row length to be a multiple of the staging tile's
     # minor tiling (swizzle bytes / 4 f32): pick the widest swizzle that
-    # divides it (v_rows is a multiple of 8, so 32B always works).
-    lg_swz = next(sw for sw in (128, 64, 32) if v_rows % (sw // 4) == 0) if return_logits else 128
+    # divides it (lg_cols is a multiple of 8, so 32B always works).
+    lg_swz = next(sw for sw in (128, 64, 32) if lg_cols % (sw // 4) == 0) if return_logits else 128
     lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
     if overlap:
       scoped["dump"] = plgpu.SMEM((n_wg, w, bm, TILE), F32, transforms=lg_transforms)
@@ -450,7 +450,7 @@ def build_forward(
             for i in range(w):
               tile = t0 + g * w + i
 
-              @pl.when(tile < t1)
+              @pl.when((tile < t1) & (tile * TILE - c0 < lg_cols))
               def _store():
                 plgpu.copy_smem_to_gmem(dump.at[wg, i], lg_out.at[pl.ds(wrow, bm), pl.ds(tile * TILE - c0, TILE)])
 
@@ -577,7 +577,9 @@ def build_forward(
               # since the previous item may have ended on any slot.
               slot = lax.rem(g * w + i, slots)
 
-              @pl.when(tile < t1)
+              # Tiles wholly past the logits' width (padding columns) are not
+              # stored; they come last in a work item, so no store follows a skipped one.
+              @pl.when((tile < t1) & (tcol0 - c0 < lg_cols))
               def _store():
                 if i == 0:
                   @pl.when(g == 0)
@@ -621,7 +623,7 @@ def build_forward(
       jax.ShapeDtypeStruct((n_local, n_pad), F32),
   ]
   if return_logits:
-    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, v_rows), F32))
+    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
   kw = {}
   if interpret:
     kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
@@ -637,7 +639,7 @@ def build_forward(
   )
 
 
-_STATIC = ("n_pad", "d", "v_rows", "geom", "cfg", "has_bias", "return_logits", "num_ctas", "interpret",
+_STATIC = ("n_pad", "d", "lg_cols", "geom", "cfg", "has_bias", "return_logits", "num_ctas", "interpret",
            "interpret_params", "lg_rows", "fused_ptx", "diag")
 
 
@@ -693,6 +695,7 @@ def partials(
     col_offset: int = 0,
     shard_cols: int | None = None,
     return_logits: bool = False,
+    logits_cols: int | None = None,
     bucket: str | None = None,
     num_ctas: int | None = None,
     interpret: bool = False,
@@ -716,6 +719,10 @@ def partials(
       split edges (`ContractError` otherwise).
     return_logits: also return the FP32 unscaled, post-bias logits [N, Vl]
       from the same accumulator (the partials are bitwise the same).
+    logits_cols: return only the first logits_cols logits columns ([N,
+      logits_cols]; e.g. the real vocabulary of an unsharded head). When it is
+      a multiple of 8 the kernel writes that width directly (no [N, Vl] buffer
+      and no slicing copy of it); otherwise the full width is sliced.
     bucket: force a launch bucket of `tuning.BUCKETS` (bit-neutral; a
       `tuning.LaunchConfig` is accepted for experiments).
     num_ctas: force the persistent CTA count (bit-neutral).
@@ -767,8 +774,13 @@ def partials(
   # Logits rows: TMA clips rows past the array, but the array's row count
   # must be a multiple of 8 (or < 8) for the tiled store.
   lg_rows = n if (n % 8 == 0 or n < 8) else -(-n // 8) * 8
+  want_cols = v_rows if logits_cols is None else int(logits_cols)
+  if not 1 <= want_cols <= v_rows:
+    raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
+  # The kernel's logits width: TMA row strides and the staging swizzle need a multiple of 8.
+  lg_cols = want_cols if (return_logits and want_cols % 8 == 0) else v_rows8
   outs = _forward_core(
-      *args, n_pad=n_pad, d=d, v_rows=v_rows8, geom=geom, cfg=cfg, has_bias=bias is not None,
+      *args, n_pad=n_pad, d=d, lg_cols=lg_cols, geom=geom, cfg=cfg, has_bias=bias is not None,
       return_logits=return_logits, num_ctas=num_ctas, interpret=interpret,
       interpret_params=interpret_params, lg_rows=lg_rows, fused_ptx=_fused_ptx, diag=tuple(_diag),
   )
@@ -776,8 +788,8 @@ def partials(
   logits = None
   if return_logits:
     logits = outs[3]
-    if logits.shape != (n, v_rows):
-      logits = logits[:n, :v_rows]
+    if logits.shape != (n, want_cols):
+      logits = logits[:n, :want_cols]
   # Owner of each target: the local split holding its tile (a pure function
   # of the target); z_t is selected from that split's capture (data movement).
   tile_to_split = np.zeros((local_tiles,), np.int32)

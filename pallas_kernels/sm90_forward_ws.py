@@ -71,7 +71,7 @@ def build(
     *,
     n_pad: int,
     d: int,
-    v_rows: int,
+    lg_cols: int,
     geom: sm90_forward.ShardGeometry,
     cfg: tuning.LaunchConfig,
     has_bias: bool,
@@ -268,7 +268,7 @@ def build(
                   zj = _load(dump.at[b, i, j], tile_l, interpret)
                   dump.at[b, i, j][...] = tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, 8))))
               if return_logits:
-                @pl.when(tile < t1)
+                @pl.when((tile < t1) & (tcol0 - c0 < lg_cols))  # padding tiles past the logits' width: none
                 def _store():
                   if has_bias:
                     plgpu.commit_smem()
@@ -310,7 +310,7 @@ def build(
 
   out_shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
   if return_logits:
-    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, v_rows), F32))
+    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
   kw = {}
   if interpret:
     kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()

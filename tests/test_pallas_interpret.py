@@ -290,3 +290,115 @@ def test_overlapped_epilogue_is_bit_identical(monkeypatch, v, vp, d, force_w, ra
     trainer = run(ov, False)
     for k, name in enumerate(("m", "s", "z_t")):
         assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
+
+
+# --- sm90_forward_ws: dedicated epilogue warpgroup (the prefill bucket) ---------------------
+
+
+def _ws(**kw):
+    import dataclasses
+
+    return dataclasses.replace(tuning.BUCKETS["prefill"], name="ws-test", **kw)
+
+
+def test_prefill_bucket_uses_the_epilogue_warpgroup_kernel():
+    assert tuning.BUCKETS["prefill"].epilogue_wgs == 1
+
+
+@pytest.mark.parametrize("epilogue_wgs,slices", [(1, 2), (2, 1)])
+def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices):
+    """sm90_forward_ws == the chain-in-wgmma kernel (small bucket), every output and the
+    logits, with bias, per-row temperatures and padded vocab; no races (one CTA, 2 row blocks)."""
+    n, d, v, vp = 130, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=1, per_row_t=True)
+    ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
+    _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
+    cfg = _ws(epilogue_wgs=epilogue_wgs, epilogue_slices=slices)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=cfg, num_ctas=1, return_logits=True)
+    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
+        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
+    assert_bitwise_equal(logp, ref_logp, "logp")
+    assert_bitwise_equal(lse, ref_lse, "lse")
+    trainer, _, _ = _run(h, w, None if b is None else b, t, inv_t, v, vp, bucket=cfg, num_ctas=3)
+    for k, name in enumerate(("m", "s", "z_t")):
+        assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
+
+
+@pytest.mark.slow
+def test_ws_kernel_tile_k32_equals_oracle():
+    """tile_k=32 (64B swizzle, twice the stages): interpret-mode wgmma rounds per call, so
+    its logits differ from tile_k=64 there (on the GPU the k16 sequence is the same); the
+    partials must still be the contract of its own logits."""
+    n, d, v, vp = 70, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=2)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=_ws(tile_k=32, epilogue_slices=4), num_ctas=1,
+                          return_logits=True)
+    _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_chain_tile_sliced_equals_chain_tile(full):
+    """The sliced chain step (two passes over eight [BM, 8] slices, exp loop) gives the bytes
+    of tile_math.chain_tile for every slices_per_step, masked and unmasked."""
+    from pallas_kernels import ptx_ops, tile_math
+
+    rng = np.random.default_rng(7)
+    bm = 16
+    z = jnp.asarray(rng.standard_normal((bm, 64)) * 6, jnp.float32)
+    m = jnp.asarray(np.where(rng.random(bm) < 0.3, -np.inf, rng.standard_normal(bm) * 4), jnp.float32)
+    s = jnp.asarray(rng.random(bm) * 3, jnp.float32)
+    tcol0 = 640
+    limit = tcol0 + (64 if full else 37)
+    tgt = jnp.asarray(rng.integers(tcol0 - 5, tcol0 + 70, bm), jnp.int32)
+    inv_t = jnp.asarray(rng.uniform(0.5, 2.0, bm), jnp.float32)
+    ops = ptx_ops.make_ops(True, None, source=inv_t)
+    col = jnp.asarray(np.arange(64)[None, :] + tcol0, jnp.int32) + jnp.zeros((bm, 1), jnp.int32)
+    want = tile_math.chain_tile(m, s, z, col, tgt, jnp.broadcast_to(inv_t[:, None], (bm, 64)), limit, ops,
+                                interpret=True, masked=not full)
+    ident = lambda x: x
+    for sps in (1, 2, 4, 8):
+        got = tile_math.chain_tile_sliced(m, s, lambda j: lax_dynamic_slice8(z, j), tcol0, tgt, inv_t, limit,
+                                          jnp.asarray(full), ops, interpret=True, tile_cast=ident, row_cast=ident,
+                                          slices_per_step=sps)
+        for a, c, name in zip(got, want, ("m", "s", "z_hit")):
+            assert_bitwise_equal(np.asarray(a), np.asarray(c), f"{name} sps={sps}")
+
+
+def lax_dynamic_slice8(z, j):
+    from jax import lax
+
+    return lax.dynamic_slice_in_dim(z, j * 8, 8, axis=1)
+
+
+def test_ws_register_split_fits_the_launch_allocation():
+    from pallas_kernels import sm90_forward_ws
+
+    assert sm90_forward_ws.register_split(_ws(epilogue_wgs=1)) == (24, 128, 232)  # 4 warpgroups: 512 per slice
+    p, m, e = sm90_forward_ws.register_split(_ws(epilogue_wgs=2))  # 5 warpgroups launch with 96 each
+    assert p + 2 * m + 2 * e <= 5 * 96
+    with pytest.raises(ValueError, match="register split"):
+        sm90_forward_ws.register_split(_ws(epilogue_wgs=1, mma_registers=252))
+    with pytest.raises(ValueError, match="unknown diag"):
+        from pallas_kernels import sm90_forward
+
+        geom = sm90_forward.shard_geometry(328, 512)
+        sm90_forward.build_forward(n_pad=128, d=128, lg_cols=328, geom=geom, cfg=_ws(), has_bias=False,
+                                   return_logits=False, num_ctas=1, interpret=True, diag=("no_exp",))
+
+
+@pytest.mark.parametrize("bucket", ["decode", "prefill"])
+@pytest.mark.parametrize("v", [320, 325])
+def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
+    """logits_cols=vocab: [N, vocab] logits, the bytes of the full-width logits' first columns
+    (written directly by the kernel when vocab % 8 == 0, sliced otherwise); partials unchanged."""
+    n, d, vp = 9, 128, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, 384, seed=5)  # a weight of 384 rows > vocab
+    full, _, _ = _run(h, w, b, t, inv_t, v, vp, bucket=bucket, num_ctas=2, return_logits=True)
+    cut, _, _ = _run(h, w, b, t, inv_t, v, vp, bucket=bucket, num_ctas=2, return_logits=True, logits_cols=v)
+    assert np.asarray(cut[4]).shape == (n, v)
+    assert_bitwise_equal(np.asarray(cut[4]), np.asarray(full[4])[:, :v], "logits")
+    for k, name in enumerate(("m", "s", "z_t")):
+        assert_bitwise_equal(np.asarray(cut[k]), np.asarray(full[k]), name)
+    with pytest.raises(ValueError, match="logits_cols"):
+        pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp, interpret=True,
+                    return_logits=True, logits_cols=385)
