@@ -125,3 +125,30 @@ def test_fold_layouts_equal_oracle(n_split):
     logp, lse = sm90_fold.fold(m[r:r + 1], s[r:r + 1], z_t[r:r + 1], t[r:r + 1], inv_t[r:r + 1], v)
     assert_bitwise_equal(np.asarray(logp), ref[0][r:r + 1], f"logp row {r} alone")
     assert_bitwise_equal(np.asarray(lse), ref[1][r:r + 1], f"lse row {r} alone")
+
+
+@pytest.mark.parametrize("n,d,v", [(7, 192, 1001), (65, 1024, 32000), (600, 512, 32000)])
+def test_logits_cols_and_serving_api(n, d, v):
+  """logits_cols=vocab (what the serving API asks for): every bucket writes [N, vocab] logits whose
+  bytes are the full-width logits' first columns (direct when vocab % 8 == 0), partials unchanged;
+  linear_logp(return_logits=True) returns them and its logp/lse are the oracle's of them."""
+  from detlogp_jax import linear_logp
+
+  vp = C.canonical_padded_vocab(v)
+  h, w, b, t, temp, inv_t = _problem(n, d, v)
+  wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+  bp = jnp.pad(b, (0, vp - v)) if b is not None else None
+  for bk in sorted(tuning.BUCKETS):
+    full = _entry(h, wp, bp, t, inv_t, v, vp, return_logits=True, bucket=bk)
+    cut = _entry(h, wp, bp, t, inv_t, v, vp, return_logits=True, bucket=bk, logits_cols=v)
+    assert cut["logits"].shape == (n, v)
+    assert_bitwise_equal(cut["logits"], full["logits"][:, :v], f"logits {bk}")
+    for k in ("m", "s", "z_t", "logp", "lse"):
+      assert_bitwise_equal(cut[k], full[k], f"{k} {bk}")
+  out = linear_logp(h, wp, jnp.asarray(t), bias=bp, temperature=jnp.asarray(temp), vocab_size=v, return_logits=True,
+                    backend="pallas_sm90")
+  lg = np.asarray(out.logits)
+  assert lg.shape == (n, v)
+  rl, rs = oracle.logp_lse(lg, t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
+  assert_bitwise_equal(np.asarray(out.logp), rl, "api logp vs oracle")
+  assert_bitwise_equal(np.asarray(out.lse), rs, "api lse vs oracle")
