@@ -185,3 +185,29 @@ def test_contraction_would_change_the_exp_and_be_caught():
 
     differ = (bits(pexp_fma(x)) != bits(O.pexp(x))).mean()
     assert differ > 0.05, differ  # a contracted program is visibly not the contract
+
+
+def test_reciprocal_rn_is_ieee_division_bitwise():
+    """numerics.reciprocal_rn (integer-only fl(1/T), what inv_temperature uses on every backend)
+    equals the oracle's IEEE division with FTZ on every mantissa of several exponents and on the
+    specials. (XLA:GPU's own f32 division is not correctly rounded; see the function's docstring.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from detlogp_jax import numerics
+
+    f = jax.jit(numerics.reciprocal_rn)
+    for be in (1, 100, 126, 127, 128, 252, 253, 254):
+        bits = (np.uint32(be) << 23) | np.arange(1 << 23, dtype=np.uint32)
+        t = bits.view(np.float32)
+        got = np.asarray(f(jnp.asarray(t)))
+        want = O.f_div(np.float32(1.0), t)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), be
+    sp = np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40, 1.0, -3.0, 2.0 ** 127, 3e38, 1.17549435e-38], np.float32)
+    got = np.asarray(f(jnp.asarray(sp)))
+    assert np.array_equal(got.view(np.uint32), O.f_div(np.float32(1.0), sp).view(np.uint32))
+    assert np.isnan(np.asarray(f(jnp.asarray([np.nan], jnp.float32)))[0])
+    rng = np.random.default_rng(3)
+    temp = rng.uniform(0.05, 4.0, 4096).astype(np.float32)
+    assert np.array_equal(np.asarray(numerics.inv_temperature(jnp.asarray(temp), 4096)).view(np.uint32),
+                          O.inv_temperature(temp, 4096).view(np.uint32))
