@@ -208,8 +208,15 @@ class Probe:
       traceback.print_exc()
 
 
+# The prefill configuration before the epilogue warpgroup (chain in the wgmma warpgroups,
+# 5 stages): the base of the experiment groups of the first two sessions.
+CHAIN_IN_WGMMA = dataclasses.replace(tuning.BUCKETS["prefill"], name="prefill-chain", epilogue_wgs=0,
+                                     max_concurrent_steps=5)
+
+
 def _v(base, name, **kw):
-  return dataclasses.replace(tuning.BUCKETS[base], name=name, **kw)
+  cfg = CHAIN_IN_WGMMA if base == "prefill_chain" else tuning.BUCKETS[base]
+  return dataclasses.replace(cfg, name=name, **kw)
 
 
 def main(argv):
@@ -294,40 +301,40 @@ def main(argv):
 
   if "prefill" in groups:
     m = 4096
-    p.kernel("prefill", "prefill", m, tuning.BUCKETS["prefill"])
-    p.kernel("prefill", "+delay", m, _v("prefill", "p1", delay_release=1))
-    p.kernel("prefill", "+delay+g4", m, _v("prefill", "p2", delay_release=1, split_group=4))
-    p.kernel("prefill", "+delay+g8", m, _v("prefill", "p3", delay_release=1, split_group=8))
-    p.kernel("prefill", "+delay+g16", m, _v("prefill", "p4", delay_release=1, split_group=16))
-    p.kernel("prefill", "+delay+st4", m, _v("prefill", "p5", delay_release=1, max_concurrent_steps=4))
-    p.kernel("prefill", "+delay+3wg", m, _v("prefill", "p6", delay_release=1, num_compute_wgs=3, max_concurrent_steps=4))
-    p.kernel("prefill", "skip-epi", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
-    p.kernel("prefill", "+delay skip-epi", m, _v("prefill", "p1", delay_release=1), diag=("skip_epilogue",))
+    p.kernel("prefill", "prefill", m, CHAIN_IN_WGMMA)
+    p.kernel("prefill", "+delay", m, _v("prefill_chain", "p1", delay_release=1))
+    p.kernel("prefill", "+delay+g4", m, _v("prefill_chain", "p2", delay_release=1, split_group=4))
+    p.kernel("prefill", "+delay+g8", m, _v("prefill_chain", "p3", delay_release=1, split_group=8))
+    p.kernel("prefill", "+delay+g16", m, _v("prefill_chain", "p4", delay_release=1, split_group=16))
+    p.kernel("prefill", "+delay+st4", m, _v("prefill_chain", "p5", delay_release=1, max_concurrent_steps=4))
+    p.kernel("prefill", "+delay+3wg", m, _v("prefill_chain", "p6", delay_release=1, num_compute_wgs=3, max_concurrent_steps=4))
+    p.kernel("prefill", "skip-epi", m, CHAIN_IN_WGMMA, diag=("skip_epilogue",))
+    p.kernel("prefill", "+delay skip-epi", m, _v("prefill_chain", "p1", delay_release=1), diag=("skip_epilogue",))
     sets = [(h, p.w) for h, _ in p.sets(m)]
     p.generic("prefill", "gemm-bf16", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
   if "epi" in groups:
     m = 4096
     old = ("zero_first", "mask_always")
-    p.kernel("epi", "old(zero_first,mask_always)", m, tuning.BUCKETS["prefill"], diag=old)
-    p.kernel("epi", "new", m, tuning.BUCKETS["prefill"])
-    p.kernel("epi", "zero_first", m, tuning.BUCKETS["prefill"], diag=("zero_first",))
-    p.kernel("epi", "mask_always", m, tuning.BUCKETS["prefill"], diag=("mask_always",))
-    p.kernel("epi", "new no_hit", m, tuning.BUCKETS["prefill"], diag=("no_hit",))
-    p.kernel("epi", "new no_exp", m, tuning.BUCKETS["prefill"], diag=("no_exp",))
-    p.kernel("epi", "old no_mask", m, tuning.BUCKETS["prefill"], diag=("zero_first", "no_mask"))
-    p.kernel("epi", "skip_epilogue", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
-    p.kernel("epi", "new+g8", m, _v("prefill", "p7", split_group=8))
-    p.kernel("epi", "new+delay", m, _v("prefill", "p1", delay_release=1))
-    p.kernel("epi", "new st4", m, _v("prefill", "p8", max_concurrent_steps=4))
-    p.kernel("epi", "new st6", m, _v("prefill", "p9", max_concurrent_steps=6))
+    p.kernel("epi", "old(zero_first,mask_always)", m, CHAIN_IN_WGMMA, diag=old)
+    p.kernel("epi", "new", m, CHAIN_IN_WGMMA)
+    p.kernel("epi", "zero_first", m, CHAIN_IN_WGMMA, diag=("zero_first",))
+    p.kernel("epi", "mask_always", m, CHAIN_IN_WGMMA, diag=("mask_always",))
+    p.kernel("epi", "new no_hit", m, CHAIN_IN_WGMMA, diag=("no_hit",))
+    p.kernel("epi", "new no_exp", m, CHAIN_IN_WGMMA, diag=("no_exp",))
+    p.kernel("epi", "old no_mask", m, CHAIN_IN_WGMMA, diag=("zero_first", "no_mask"))
+    p.kernel("epi", "skip_epilogue", m, CHAIN_IN_WGMMA, diag=("skip_epilogue",))
+    p.kernel("epi", "new+g8", m, _v("prefill_chain", "p7", split_group=8))
+    p.kernel("epi", "new+delay", m, _v("prefill_chain", "p1", delay_release=1))
+    p.kernel("epi", "new st4", m, _v("prefill_chain", "p8", max_concurrent_steps=4))
+    p.kernel("epi", "new st6", m, _v("prefill_chain", "p9", max_concurrent_steps=6))
 
   if "epi_large" in groups:
     m = 16384
-    p.kernel("epi_large", "new", m, tuning.BUCKETS["prefill"])
-    p.kernel("epi_large", "new+g8", m, _v("prefill", "p7", split_group=8))
-    p.kernel("epi_large", "new+g4", m, _v("prefill", "p10", split_group=4))
-    p.kernel("epi_large", "new+g16", m, _v("prefill", "p11", split_group=16))
+    p.kernel("epi_large", "new", m, CHAIN_IN_WGMMA)
+    p.kernel("epi_large", "new+g8", m, _v("prefill_chain", "p7", split_group=8))
+    p.kernel("epi_large", "new+g4", m, _v("prefill_chain", "p10", split_group=4))
+    p.kernel("epi_large", "new+g16", m, _v("prefill_chain", "p11", split_group=16))
 
   if "epi_small" in groups:
     for m in (1, 64):
@@ -337,9 +344,9 @@ def main(argv):
       p.kernel("epi_small", "natural new", m, tuning.select_bucket(m))
       p.kernel("epi_small", "natural old", m, tuning.select_bucket(m), diag=("zero_first", "mask_always"))
     m = 4096
-    p.kernel("epi_small", "serving new slots2", m, _v("prefill", "l2", logits_slots=2), return_logits=True)
-    p.kernel("epi_small", "serving new slots1", m, _v("prefill", "l1", logits_slots=1), return_logits=True)
-    p.kernel("epi_small", "serving new slots3", m, _v("prefill", "l5", logits_slots=3), return_logits=True)
+    p.kernel("epi_small", "serving new slots2", m, _v("prefill_chain", "l2", logits_slots=2), return_logits=True)
+    p.kernel("epi_small", "serving new slots1", m, _v("prefill_chain", "l1", logits_slots=1), return_logits=True)
+    p.kernel("epi_small", "serving new slots3", m, _v("prefill_chain", "l5", logits_slots=3), return_logits=True)
 
   if "overlap" in groups:
     for m in (4096, 16384, 1024, 256, 64, 1):
@@ -347,16 +354,16 @@ def main(argv):
       p.kernel("overlap", base.name, m, base)
       p.kernel("overlap", base.name + "+overlap", m, dataclasses.replace(base, name="o", overlap_epilogue=True))
     m = 4096
-    p.kernel("overlap", "serving", m, tuning.BUCKETS["prefill"], return_logits=True)
-    p.kernel("overlap", "serving+overlap", m, _v("prefill", "o", overlap_epilogue=True), return_logits=True)
+    p.kernel("overlap", "serving", m, CHAIN_IN_WGMMA, return_logits=True)
+    p.kernel("overlap", "serving+overlap", m, _v("prefill_chain", "o", overlap_epilogue=True), return_logits=True)
 
   if "overlap2" in groups:
     m = 4096
-    ov = _v("prefill", "o", overlap_epilogue=True)
-    p.kernel("overlap2", "prefill", m, tuning.BUCKETS["prefill"])
-    p.kernel("overlap2", "prefill skip_epilogue", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
-    p.kernel("overlap2", "prefill st3", m, _v("prefill", "p3s", max_concurrent_steps=3))
-    p.kernel("overlap2", "prefill st3 skip_epilogue", m, _v("prefill", "p3s", max_concurrent_steps=3), diag=("skip_epilogue",))
+    ov = _v("prefill_chain", "o", overlap_epilogue=True)
+    p.kernel("overlap2", "prefill", m, CHAIN_IN_WGMMA)
+    p.kernel("overlap2", "prefill skip_epilogue", m, CHAIN_IN_WGMMA, diag=("skip_epilogue",))
+    p.kernel("overlap2", "prefill st3", m, _v("prefill_chain", "p3s", max_concurrent_steps=3))
+    p.kernel("overlap2", "prefill st3 skip_epilogue", m, _v("prefill_chain", "p3s", max_concurrent_steps=3), diag=("skip_epilogue",))
     p.kernel("overlap2", "overlap", m, ov)
     p.kernel("overlap2", "overlap nopieces", m, ov, diag=("ov_nopieces",))
 
@@ -365,15 +372,15 @@ def main(argv):
     # per group, with the warpgroups running it, or is it a fixed cost of reading the
     # accumulator at a group boundary? And the stage count of the shipped config.
     m = 4096
-    base = tuning.BUCKETS["prefill"]
+    base = CHAIN_IN_WGMMA
     p.kernel("epi_next", "prefill", m, base)
     for diag in (("skip_epilogue",), ("acc_max_only",), ("one_tile",), ("wg0_only",), ("no_exp", "no_hit")):
       p.kernel("epi_next", "+".join(diag), m, base, diag=diag)
     for st in (3, 4, 6):
-      p.kernel("epi_next", f"st{st}", m, _v("prefill", f"s{st}", max_concurrent_steps=st))
-      p.kernel("epi_next", f"st{st} skip_epilogue", m, _v("prefill", f"s{st}", max_concurrent_steps=st),
+      p.kernel("epi_next", f"st{st}", m, _v("prefill_chain", f"s{st}", max_concurrent_steps=st))
+      p.kernel("epi_next", f"st{st} skip_epilogue", m, _v("prefill_chain", f"s{st}", max_concurrent_steps=st),
                diag=("skip_epilogue",))
-    p.kernel("epi_next", "g0 skip_epilogue", m, _v("prefill", "g0", split_group=0), diag=("skip_epilogue",))
+    p.kernel("epi_next", "g0 skip_epilogue", m, _v("prefill_chain", "g0", split_group=0), diag=("skip_epilogue",))
 
   if "ws" in groups:
     # Dedicated epilogue warpgroup (sm90_forward_ws): the chain of group g runs while the
@@ -416,17 +423,17 @@ def main(argv):
 
   if "large" in groups:
     m = 16384
-    p.kernel("large", "prefill", m, tuning.BUCKETS["prefill"])
-    p.kernel("large", "+delay", m, _v("prefill", "p1", delay_release=1))
-    p.kernel("large", "+delay+g8", m, _v("prefill", "p3", delay_release=1, split_group=8))
-    p.kernel("large", "+delay+g16", m, _v("prefill", "p4", delay_release=1, split_group=16))
+    p.kernel("large", "prefill", m, CHAIN_IN_WGMMA)
+    p.kernel("large", "+delay", m, _v("prefill_chain", "p1", delay_release=1))
+    p.kernel("large", "+delay+g8", m, _v("prefill_chain", "p3", delay_release=1, split_group=8))
+    p.kernel("large", "+delay+g16", m, _v("prefill_chain", "p4", delay_release=1, split_group=16))
 
   if "serving" in groups:
     m = 4096
-    p.kernel("serving", "slots1", m, _v("prefill", "l1", logits_slots=1), return_logits=True)
-    p.kernel("serving", "slots2", m, _v("prefill", "l2", logits_slots=2), return_logits=True)
-    p.kernel("serving", "delay+slots2", m, _v("prefill", "l3", delay_release=1, logits_slots=2), return_logits=True)
-    p.kernel("serving", "delay+slots3", m, _v("prefill", "l4", delay_release=1, logits_slots=3), return_logits=True)
+    p.kernel("serving", "slots1", m, _v("prefill_chain", "l1", logits_slots=1), return_logits=True)
+    p.kernel("serving", "slots2", m, _v("prefill_chain", "l2", logits_slots=2), return_logits=True)
+    p.kernel("serving", "delay+slots2", m, _v("prefill_chain", "l3", delay_release=1, logits_slots=2), return_logits=True)
+    p.kernel("serving", "delay+slots3", m, _v("prefill_chain", "l4", delay_release=1, logits_slots=3), return_logits=True)
 
   def bwd_setup(m):
     """Backward inputs at M rows: arg sets (h, W, t), a fixed lse, unit inv_t / g_logp."""
