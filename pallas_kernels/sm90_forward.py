@@ -36,6 +36,10 @@ group's w tiles in ascending order and zeroes the accumulator. The chain state
 bit-identical but slower on the H200, see docs/PERF_NOTES.md) the
 accumulator is copied to shared memory instead and the chain runs in pieces
 under the next group's wgmmas.
+
+`LaunchConfig.epilogue_wgs > 0` (the prefill bucket) builds
+`sm90_forward_ws.build` instead: the same work items and bits, with the chain in
+a dedicated epilogue warpgroup fed through shared memory.
 """
 
 from __future__ import annotations
