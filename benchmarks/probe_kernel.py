@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws).")
+                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws, ws_pipe, smem).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -420,6 +420,23 @@ def main(argv):
     p.kernel("ws_pipe", "old st3", m, _v("prefill", "old3", epilogue_wgs=0))
     p.kernel("ws_pipe", "old st5 skip", m, _v("prefill", "old5", epilogue_wgs=0, max_concurrent_steps=5),
              diag=("skip_epilogue",))
+
+  if "smem" in groups:
+    # Does the pipeline's speed follow its shared-memory footprint? (Next-session question:
+    # 120 KiB pipelines ran at ~5.4 ms without a chain, >= 160 KiB ones at ~7.5 ms.)
+    m = 4096
+    p.kernel("smem", "ws (216 KiB)", m, tuning.BUCKETS["prefill"])
+    p.kernel("smem", "ws skip (216 KiB)", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
+    p.kernel("smem", "ws dump_one_tile st3 skip (152 KiB)", m, tuning.BUCKETS["prefill"],
+             diag=("skip_epilogue", "dump_one_tile"))
+    p.kernel("smem", "ws dump_one_tile st4 skip (192 KiB)", m, _v("prefill", "ws1t4", max_concurrent_steps=4),
+             diag=("skip_epilogue", "dump_one_tile"))
+    p.kernel("smem", "chain st3 skip (120 KiB)", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
+             diag=("skip_epilogue",))
+    p.kernel("smem", "chain st3 skip + 96 KiB pad (216 KiB)", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
+             diag=("skip_epilogue", "pad_smem96"))
+    p.kernel("smem", "chain st3 + 96 KiB pad", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
+             diag=("pad_smem96",))
 
   if "large" in groups:
     m = 16384

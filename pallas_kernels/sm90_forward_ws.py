@@ -45,7 +45,7 @@ F32 = jnp.float32
 TILE = sm90_forward.TILE
 PRODUCER_REGISTERS = 24
 MAX_REGISTERS = 232
-_KNOWN_DIAG = frozenset({"skip_epilogue"})
+_KNOWN_DIAG = frozenset({"skip_epilogue", "dump_one_tile"})
 
 
 def register_split(cfg: tuning.LaunchConfig) -> tuple[int, int, int]:
@@ -86,7 +86,9 @@ def build(
   """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs of `build_forward`.
 
   `diag` (timing only, NOT contract-keeping): "skip_epilogue" hands every
-  buffer back without running the chain.
+  buffer back without running the chain; "dump_one_tile" hands off (and
+  chains) only the first tile of each group, so the hand-off buffers take a
+  third of the shared memory (does the pipeline's speed follow the footprint?).
   """
   if set(diag) - _KNOWN_DIAG:
     raise ValueError(f"unknown diag {sorted(set(diag) - _KNOWN_DIAG)}; known: {sorted(_KNOWN_DIAG)}")
@@ -109,7 +111,8 @@ def build(
   w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
   c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
   n_items = n_local * n_rb
-  dump_bytes = tuning.ws_dump_bytes(cfg, w)
+  w_dump = 1 if "dump_one_tile" in diag else w  # tiles per hand-off buffer
+  dump_bytes = tuning.ws_dump_bytes(cfg, w_dump)
   stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
   stage_bytes = (cta_rows + gcols) * tile_k * 2
   if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
@@ -146,7 +149,7 @@ def build(
         # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
         # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
         # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
-        dump=plgpu.SMEM((n_mma, w, 8, bm, 8), F32),
+        dump=plgpu.SMEM((n_mma, w_dump, 8, bm, 8), F32),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         empty=plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages),
         dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
@@ -222,7 +225,7 @@ def build(
             plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
             plgpu.barrier_wait(dump_empty.at[wg])
             z_all = acc_ref[...]
-            for i in range(w):
+            for i in range(w_dump):
               for j in range(8):
                 dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
             sm90_forward._zero_acc(acc_ref, bm, gcols, interpret)
@@ -289,7 +292,7 @@ def build(
               plgpu.barrier_wait(dump_full.at[b])
               st = state[q]
               if not skip_epilogue:
-                st = lax.fori_loop(0, w, tile_chain(q, b, g), st)
+                st = lax.fori_loop(0, w_dump, tile_chain(q, b, g), st)
               if return_logits:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
               plgpu.barrier_arrive(dump_empty.at[b])
