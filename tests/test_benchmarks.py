@@ -168,3 +168,23 @@ def test_progress_log_parser_rebuilds_cases():
     assert cases[0].median_ms == 8.8707 and cases[0].min_ms == 7.5816 and cases[0].max_ms == 9.1274
     assert cases[1].determinism.startswith("drift")
     assert abs(cases[0].time_vs_xla - 8.8707 / 8.8722) < 1e-12
+
+
+def test_trace_summary_prefers_device_threads():
+    """benchmarks.trace_calls.summarize: device-stream events only when there are any, per-call means, span."""
+    from benchmarks import trace_calls
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    ev = [{"ph": "X", "pid": 1, "tid": 1, "name": "host_op", "ts": 0, "dur": 1000},
+          {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 10, "dur": 300},
+          {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 320, "dur": 30},
+          {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 400, "dur": 310},
+          {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 720, "dur": 40}]
+    s = trace_calls.summarize({"traceEvents": meta + ev}, calls=2)
+    assert s["scope"] == "device"
+    assert [r["name"] for r in s["rows"]] == ["fwd_kernel", "fold"]
+    assert s["rows"][0]["us_per_call"] == 305.0 and s["rows"][1]["count"] == 2
+    assert s["span_us_per_call"] == (760 - 10) / 2 and s["busy_us_per_call"] == 340.0
+    host = trace_calls.summarize({"traceEvents": meta[:1] + ev[:1]}, calls=1)
+    assert host["scope"] == "host" and host["rows"][0]["name"] == "host_op"

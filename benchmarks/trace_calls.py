@@ -1,0 +1,112 @@
+"""Where one call's time goes: per-kernel device time from a JAX profiler trace.
+
+    python -m benchmarks.trace_calls --shape qwen3_8b --m 1 --backend pallas_sm90 --calls 20
+
+Runs `--calls` back-to-back calls of the benchmark case (the same jitted function
+`benchmarks.run` times) under `jax.profiler.trace`, reads the Chrome-format
+`*.trace.json.gz` the profiler writes, and prints, per event name on the device
+(GPU stream) threads, the number of events, the total and the mean duration per
+call, plus the span from the first to the last device event per call (kernels and
+the gaps between them). On a CPU-only machine there are no device threads and the
+host-side XLA events are summarized instead. `--json` writes the table.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import cases, shapes
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("shape", "qwen3_8b", "lm_head shape by name (benchmarks/shapes.py).")
+flags.DEFINE_integer("m", 1, "Rows per call.")
+flags.DEFINE_string("backend", "pallas_sm90", f"One of {cases.ALL_BACKENDS}.")
+flags.DEFINE_enum("entry", "trainer", list(cases.ENTRIES), "trainer or serving.")
+flags.DEFINE_enum("mode", "fwd", list(cases.MODES), "fwd or fwd_bwd.")
+flags.DEFINE_integer("calls", 20, "Traced back-to-back calls (after 3 warmup calls).")
+flags.DEFINE_integer("top", 25, "Rows of the table.")
+flags.DEFINE_string("trace_dir", None, "Keep the raw trace here (default: a temporary directory).")
+flags.DEFINE_string("json", None, "Write the summary as JSON to this path.")
+
+
+def summarize(trace: dict, calls: int) -> dict:
+  """Per-name totals of complete ('X') events on device threads (or, without any, on all threads)."""
+  events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+  proc_names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {pid for pid, name in proc_names.items() if "/device:" in name and "CPU" not in name.upper()}
+  scope = "device" if device_pids else "host"
+  chosen = [e for e in events if (e["pid"] in device_pids) or not device_pids]
+  per_name = collections.defaultdict(lambda: [0, 0.0])
+  for e in chosen:
+    per_name[e["name"]][0] += 1
+    per_name[e["name"]][1] += float(e["dur"])
+  rows = sorted(({"name": n, "count": c, "total_us": t, "us_per_call": t / max(calls, 1)}
+                 for n, (c, t) in per_name.items()), key=lambda r: -r["total_us"])
+  span_us = None
+  if chosen:
+    start = min(float(e["ts"]) for e in chosen)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in chosen)
+    span_us = (end - start) / max(calls, 1)
+  busy = sum(r["total_us"] for r in rows) / max(calls, 1)
+  return {"scope": scope, "calls": calls, "span_us_per_call": span_us, "busy_us_per_call": busy, "rows": rows,
+          "processes": sorted(set(proc_names.values()))}
+
+
+def load_trace(trace_dir: str) -> dict:
+  files = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
+  if not files:
+    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}/plugins/profile")
+  with gzip.open(files[-1], "rb") as f:
+    return json.load(f)
+
+
+def main(argv):
+  del argv
+  shape = shapes.get(FLAGS.shape)
+  spec = cases.CaseSpec(backend=FLAGS.backend, shape=shape, entry=FLAGS.entry, mode=FLAGS.mode)
+  why = cases.unavailable_reason(FLAGS.backend)
+  if why:
+    raise SystemExit(f"{FLAGS.backend}: {why}")
+  fn = jax.jit(cases.build(spec))
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  hidden = jax.random.normal(k[0], (FLAGS.m, shape.d), jnp.float32).astype(jnp.bfloat16)
+  weight = (jax.random.normal(k[1], (shape.v_rows, shape.d), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  targets = jax.random.randint(k[2], (FLAGS.m,), 0, shape.v_real, jnp.int32)
+  for _ in range(3):
+    jax.block_until_ready(fn(hidden, weight, targets))
+  trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="trace_calls_")
+  with jax.profiler.trace(trace_dir):
+    outs = [fn(hidden, weight, targets) for _ in range(FLAGS.calls)]
+    jax.block_until_ready(outs)
+  summary = summarize(load_trace(trace_dir), FLAGS.calls)
+  summary.update(shape=shape.name, m=FLAGS.m, backend=FLAGS.backend, entry=FLAGS.entry, mode=FLAGS.mode,
+                 device=str(jax.devices()[0].device_kind), trace_dir=trace_dir)
+  span = summary["span_us_per_call"]
+  print(f"{FLAGS.backend} {shape.name} M={FLAGS.m} {FLAGS.entry}/{FLAGS.mode} on {summary['device']}: "
+        f"{summary['scope']} events, busy {summary['busy_us_per_call']:.1f} us per call, "
+        f"span {('%.1f' % span) if span is not None else '-'} us per call ({FLAGS.calls} calls)")
+  print(f"{'us/call':>10} {'count':>7}  name")
+  for r in summary["rows"][: FLAGS.top]:
+    print(f"{r['us_per_call']:10.2f} {r['count']:7d}  {r['name'][:110]}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
