@@ -179,14 +179,14 @@ def build(
 
       launch_registers = 65536 // ((producer + 1) * 128) // 8 * 8
 
-      def set_registers(n, action):
-        del action  # setmaxnreg.inc may only raise and .dec only lower the current count
+      def set_registers(n):
+        # setmaxnreg.inc may only raise and .dec only lower the launch count.
         if not interpret and n != launch_registers:
           plgpu.set_max_registers(n, action="increase" if n > launch_registers else "decrease")
 
       @pl.when(wg == producer)
       def _producer():
-        set_registers(reg_producer, "decrease")
+        set_registers(reg_producer)
 
         def item_body(li, step):
           _, rb, t0, _ = item(li)
@@ -213,7 +213,7 @@ def build(
 
       @pl.when(wg < n_mma)
       def _wgmma():
-        set_registers(reg_mma, "increase")
+        set_registers(reg_mma)
         for st in range(stages):  # every slot starts free
           plgpu.barrier_arrive(empty.at[st])
 
@@ -255,7 +255,7 @@ def build(
 
       @pl.when((wg >= n_mma) & (wg < producer))
       def _epilogue():
-        set_registers(reg_epi, "increase")
+        set_registers(reg_epi)
         ep = wg - n_mma
         bufs = [ep * per_epi + q for q in range(per_epi)]
         for b in bufs:  # every hand-off buffer starts free
