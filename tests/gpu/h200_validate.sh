@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Contract re-validation after a kernel change (nvidia-h200), one call of ~9.5 minutes:
+# Contract re-validation after a kernel change (nvidia-h200), one call of ~9.7 minutes
+# (third session: GPU pytest 123 s + the logits_cols/inv_t tests, ladder 243 s, golden 41 s):
 # GPU pytest (gradients, fold layouts, kernel vs oracle), the ladder (all stages),
 # the golden REPLAY (the records must not change). Benchmarks: tests/gpu/h200_bench.sh.
 # Run from the repo root on the device:  bash tests/gpu/h200_validate.sh
 set -u
 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
-stage pytest_gpu 180 python3 -m pytest -q -x tests/gpu/test_grad_gpu.py tests/gpu/test_pallas_gpu.py
-stage ladder 330 env LADDER_BUDGET_S=300 LADDER_STAGE_TIMEOUT_S=180 LADDER_DUMP=0 LADDER_STAGES=ACB python3 tests/gpu/run_ladder.py
+stage pytest_gpu 240 python3 -m pytest -q -x tests/gpu/test_grad_gpu.py tests/gpu/test_pallas_gpu.py
+stage ladder 285 env LADDER_BUDGET_S=265 LADDER_STAGE_TIMEOUT_S=180 LADDER_DUMP=0 LADDER_STAGES=ACB python3 tests/gpu/run_ladder.py
 stage golden_replay 60 python3 -m detlogp_jax.golden --backend pallas_sm90
 finish
