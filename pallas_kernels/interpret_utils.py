@@ -42,6 +42,15 @@ def load_and_cast(layout, interpret: bool):
           functools.partial(cast, layout=layout, interpret=interpret))
 
 
+def kernel_kwargs(interpret: bool, interpret_params=None) -> dict:
+  """The `plgpu.kernel` keyword that selects interpret mode ({} on a GPU)."""
+  if not interpret:
+    return {}
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return {"interpret": interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()}
+
+
 class _NumpyWithRowInvariantMatmul:
   """Proxies the numpy module; only `matmul` differs."""
 

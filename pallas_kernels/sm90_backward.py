@@ -144,9 +144,7 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
 
       plgpu.wait_smem_to_gmem(0)
 
-  kw = {}
-  if interpret:
-    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
+  kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((n_pad, chunk), jnp.bfloat16),

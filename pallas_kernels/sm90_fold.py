@@ -116,9 +116,7 @@ def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, in
     unroll = CHAIN_UNROLL if staged else UNROLL
   if unroll < 1:
     raise ValueError(f"unroll must be >= 1, got {unroll}")
-  kw = {}
-  if interpret:
-    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
+  kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
   if staged:
     return _build_staged(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll,
                          rows=rows, chunk=chunk, kw=kw)

@@ -217,6 +217,25 @@ def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, inte
   return m, s, jnp.where(row_hit, z_hit, zt)
 
 
+def unpack_refs(refs, has_bias: bool, return_logits: bool):
+  """(h, w, bias | None, targets, inv_t, m_out, s_out, zt_out, logits_out | None) of a forward
+  kernel's refs: inputs (hidden, weight, [bias], targets, inv_t), then outputs (`out_type`)."""
+  refs = list(refs)
+  h, w = refs[:2]
+  b = refs.pop(2) if has_bias else None
+  tgt, invt, m_out, s_out, zt_out = refs[2:7]
+  return h, w, b, tgt, invt, m_out, s_out, zt_out, (refs[7] if return_logits else None)
+
+
+def out_type(n_local: int, n_pad: int, return_logits: bool, lg_rows: int | None, lg_cols: int):
+  """Outputs of a forward kernel: m, S, z_t captures [n_local, n_pad] f32, and the logits
+  [lg_rows (default n_pad), lg_cols] f32 for the serving entry."""
+  shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
+  if return_logits:
+    shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
+  return tuple(shapes)
+
+
 def build_forward(
     *,
     n_pad: int,
@@ -283,7 +302,7 @@ def build_forward(
   overlap = cfg.overlap_epilogue and k_iters >= n_pieces + 2 and set(diag) <= {"ov_nopieces"}
   ov_nopieces = "ov_nopieces" in diag  # timing only: dump and pipeline, no chain
   if overlap:
-    extra_smem = tuning.overlap_dump_bytes(cfg, w)  # the logits TMA stores read the dump itself
+    extra_smem = tuning.accumulator_copy_bytes(cfg, w)  # the logits TMA stores read the dump itself
   else:
     extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
   stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
@@ -301,16 +320,8 @@ def build_forward(
     raise ValueError(f"unknown diag {sorted(set(diag) - known)}; known: {sorted(known)}")
 
   def kernel(*refs):
-    if has_bias:
-      h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, *rest = refs
-    else:
-      h_gmem, w_gmem, tgt_gmem, invt_gmem, *rest = refs
-      b_gmem = None
-    if return_logits:
-      m_out, s_out, zt_out, lg_out, *scratch = rest
-    else:
-      m_out, s_out, zt_out, *scratch = rest
-      lg_out = None
+    h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = unpack_refs(refs, has_bias,
+                                                                                           return_logits)
 
     def get_pipeline(body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
@@ -378,14 +389,6 @@ def build_forward(
           tile = t0 + gp * w + i
           return tile, tile * TILE, (tile + 1) * TILE <= limit
 
-        def slice_sum(e):
-          if interpret:  # explicit adjacent pairwise tree (XLA's reduce order is unspecified)
-            cols = [e[:, c] for c in range(8)]
-            while len(cols) > 1:
-              cols = [ops_box["ops"].add(cols[2 * q], cols[2 * q + 1]) for q in range(len(cols) // 2)]
-            return cols[0]
-          return jnp.sum(e, axis=1)  # ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)), see tile_math.tree64
-
         def piece_a(i, gp, st):
           ops, tgt, invt_b, col_iota = ops_box["ops"], ops_box["tgt"], ops_box["invt_b"], ops_box["col_iota"]
           m, s, zt, y, mn, al, *parts = st
@@ -418,7 +421,7 @@ def build_forward(
               if masked:
                 col = col_iota[:, 8 * jj : 8 * jj + 8] + tcol0
                 e = jnp.where(col < limit, e, jnp.asarray(0.0, F32))
-              out.append(row_cast(slice_sum(e)))
+              out.append(row_cast(tile_math.slice_sum8(e, ops, interpret=interpret)))
             return tuple(out)
 
           new = lax.cond(full, lambda: sums(False), lambda: sums(True))
@@ -430,10 +433,8 @@ def build_forward(
         def piece_c(i, gp, st):
           ops = ops_box["ops"]
           m, s, zt, y, mn, al, *parts = st
-          cols = list(parts)
-          while len(cols) > 1:
-            cols = [ops.add(cols[2 * q], cols[2 * q + 1]) for q in range(len(cols) // 2)]
-          s = ops.add(ops.mul(s, al), cols[0])
+          tree = tile_math.pairwise(list(parts), ops)
+          s = ops.add(ops.mul(s, al), tree)
           return (row_cast(mn), row_cast(s), zt, y, mn, al, *parts)
 
         pieces = []
@@ -626,25 +627,15 @@ def build_forward(
       if return_logits:
         plgpu.wait_smem_to_gmem(0)
 
-  out_shapes = [
-      jax.ShapeDtypeStruct((n_local, n_pad), F32),
-      jax.ShapeDtypeStruct((n_local, n_pad), F32),
-      jax.ShapeDtypeStruct((n_local, n_pad), F32),
-  ]
-  if return_logits:
-    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
-  kw = {}
-  if interpret:
-    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
   return plgpu.kernel(
       kernel,
-      out_type=tuple(out_shapes),
+      out_type=out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
       grid=(num_ctas,),
       grid_names=("cta",),
       num_threads=n_wg + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=False),
-      **kw,
+      **interpret_utils.kernel_kwargs(interpret, interpret_params),
   )
 
 

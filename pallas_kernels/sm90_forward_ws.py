@@ -45,13 +45,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import ptx_ops, sm90_forward, tile_math, tuning
+from pallas_kernels import interpret_utils, ptx_ops, sm90_forward, tile_math, tuning
 
 F32 = jnp.float32
 TILE = sm90_forward.TILE
 PRODUCER_REGISTERS = 24
 MAX_REGISTERS = 232
 _KNOWN_DIAG = frozenset({"skip_epilogue", "dump_one_tile"})
+
+
+def launch_registers(n_wgs: int) -> int:
+  """Registers per thread a CTA of n_wgs warpgroups launches with (64K / threads, a multiple of 8)."""
+  return 65536 // (n_wgs * 128) // 8 * 8
 
 
 def register_split(cfg: tuning.LaunchConfig) -> tuple[int, int, int]:
@@ -67,8 +72,7 @@ def register_split(cfg: tuning.LaunchConfig) -> tuple[int, int, int]:
   at most 4 warpgroups for w = 3.
   """
   n_wgs = cfg.num_compute_wgs + cfg.epilogue_wgs + 1
-  launch = 65536 // (n_wgs * 128) // 8 * 8
-  pool = n_wgs * launch
+  pool = n_wgs * launch_registers(n_wgs)
   mma = cfg.mma_registers or (128 if n_wgs <= 4 else 120)
   epi = min(MAX_REGISTERS, (pool - PRODUCER_REGISTERS - cfg.num_compute_wgs * mma) // cfg.epilogue_wgs // 8 * 8)
   if mma % 8 or not 24 <= mma <= MAX_REGISTERS or epi < 24:
@@ -121,10 +125,10 @@ def build(
   c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
   n_items = n_local * n_rb
   w_dump = 1 if "dump_one_tile" in diag else w  # tiles per hand-off buffer
-  dump_bytes = tuning.ws_dump_bytes(cfg, w_dump)
+  dump_bytes = tuning.accumulator_copy_bytes(cfg, w_dump)
   stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
   assert stages >= 2, stages  # one slot would deadlock: step k waits for the release that follows its own wgmma
-  stage_bytes = (cta_rows + gcols) * tile_k * 2
+  stage_bytes = tuning.stage_bytes(cfg, w, tile_k)
   if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
     raise ValueError(f"{stages} stages of {stage_bytes} B plus {dump_bytes} B of hand-off buffers exceed "
                      f"{tuning.SMEM_LIMIT} B of shared memory")
@@ -143,15 +147,8 @@ def build(
   _load, _cast = sm90_forward._load, sm90_forward._cast
 
   def kernel(*refs):
-    if has_bias:
-      h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, *rest = refs
-    else:
-      h_gmem, w_gmem, tgt_gmem, invt_gmem, *rest = refs
-      b_gmem = None
-    if return_logits:
-      m_out, s_out, zt_out, lg_out = rest
-    else:
-      (m_out, s_out, zt_out), lg_out = rest, None
+    h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = sm90_forward.unpack_refs(
+        refs, has_bias, return_logits)
 
     scoped = dict(
         h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
@@ -177,12 +174,12 @@ def build(
         t0, t1 = sm90_forward._split_tiles(geom, js + j0)
         return js, rb, t0, t1
 
-      launch_registers = 65536 // ((producer + 1) * 128) // 8 * 8
+      launch = launch_registers(producer + 1)
 
       def set_registers(n):
         # setmaxnreg.inc may only raise and .dec only lower the launch count.
-        if not interpret and n != launch_registers:
-          plgpu.set_max_registers(n, action="increase" if n > launch_registers else "decrease")
+        if not interpret and n != launch:
+          plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
 
       @pl.when(wg == producer)
       def _producer():
@@ -330,15 +327,9 @@ def build(
         if return_logits:
           plgpu.wait_smem_to_gmem(0)
 
-  out_shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
-  if return_logits:
-    out_shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
-  kw = {}
-  if interpret:
-    kw["interpret"] = interpret_params if interpret_params is not None else plgpu.InterpretGPUParams()
   return plgpu.kernel(
       kernel,
-      out_type=tuple(out_shapes),
+      out_type=sm90_forward.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
       grid=(num_ctas,),
       grid_names=("cta",),
       num_threads=producer + 1,
@@ -351,5 +342,5 @@ def build(
       # by full / empty; commit_smem (fence + warpgroup barrier) precedes every TMA
       # store of a buffer (H200: 7.90 vs 8.15 ms at M=4096 with the barriers).
       compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=not cfg.auto_barriers),
-      **kw,
+      **interpret_utils.kernel_kwargs(interpret, interpret_params),
   )

@@ -33,12 +33,8 @@ def tree64(e, ops, *, interpret: bool):
   """
   assert e.shape[-1] == C.TILE_V, e.shape
   if interpret:
-    cols = [e[:, i] for i in range(C.TILE_V)]
-  else:
-    cols = [jnp.sum(e[:, 8 * j : 8 * j + 8], axis=1) for j in range(8)]
-  while len(cols) > 1:
-    cols = [ops.add(cols[2 * i], cols[2 * i + 1]) for i in range(len(cols) // 2)]
-  return cols[0]
+    return pairwise([e[:, i] for i in range(C.TILE_V)], ops)
+  return pairwise([slice_sum8(e[:, 8 * j : 8 * j + 8], ops, interpret=False) for j in range(8)], ops)
 
 
 def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, masked: bool = True, diag=()):
@@ -101,10 +97,7 @@ def slice_sum8(e, ops, *, interpret: bool):
   """
   if not interpret:
     return jnp.sum(e, axis=1)
-  cols = [e[:, c] for c in range(8)]
-  while len(cols) > 1:
-    cols = [ops.add(cols[2 * i], cols[2 * i + 1]) for i in range(len(cols) // 2)]
-  return cols[0]
+  return pairwise([e[:, c] for c in range(8)], ops)
 
 
 def pairwise(vals, ops):

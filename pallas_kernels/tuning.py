@@ -103,21 +103,21 @@ def logits_staging_bytes(cfg: LaunchConfig) -> int:
   return cfg.num_compute_wgs * cfg.logits_slots * cfg.block_m * 64 * 4
 
 
-def ws_dump_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
-  """SMEM of the accumulator hand-off buffers of `sm90_forward_ws` (one per wgmma warpgroup)."""
+def accumulator_copy_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
+  """SMEM holding one copy of every wgmma warpgroup's accumulator [block_m, 64 w] f32
+  (the overlap_epilogue dump, and the hand-off buffers of `sm90_forward_ws`)."""
   return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
 
 
-def overlap_dump_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
-  """SMEM holding each consumer warpgroup's finished accumulator (overlap_epilogue)."""
-  return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
+def stage_bytes(cfg: LaunchConfig, tiles_per_group: int, tile_k: int = 64) -> int:
+  """SMEM of one pipeline stage: the K slice of the CTA's hidden rows and of a tile group's weight rows (bf16)."""
+  return (cfg.cta_rows + 64 * tiles_per_group) * tile_k * 2
 
 
 def pipeline_stages(cfg: LaunchConfig, tiles_per_group: int, tile_k: int = 64, extra_smem: int = 0) -> int:
   """Pipeline depth that fits the SMEM budget next to `extra_smem` bytes (bit-neutral)."""
-  stage_bytes = (cfg.cta_rows + 64 * tiles_per_group) * tile_k * 2
   budget = min(PIPELINE_SMEM_BUDGET, SMEM_LIMIT - extra_smem)
-  stages = max(2, min(cfg.max_concurrent_steps, budget // stage_bytes))
+  stages = max(2, min(cfg.max_concurrent_steps, budget // stage_bytes(cfg, tiles_per_group, tile_k)))
   return max(stages, cfg.delay_release + 1)
 
 # Upper bounds (inclusive) of M per bucket, in order.
@@ -171,12 +171,9 @@ def default_num_sms() -> int:
 
 
 def describe(cfg: LaunchConfig) -> str:
-  return (
-      f"{cfg.name}: block_m={cfg.block_m} wgs={cfg.num_compute_wgs} rows/CTA={cfg.cta_rows} "
-      f"stages={cfg.max_concurrent_steps} ctas/SM={cfg.ctas_per_sm} delay_release={cfg.delay_release} "
-      f"split_group={cfg.split_group} logits_slots={cfg.logits_slots} overlap_epilogue={cfg.overlap_epilogue} "
-      f"epilogue_wgs={cfg.epilogue_wgs} mma_registers={cfg.mma_registers}"
-  )
+  """Every field of the config (so probe records and ladder reports name each knob)."""
+  fields = " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg) if f.name != "name")
+  return f"{cfg.name}: rows/CTA={cfg.cta_rows} {fields}"
 
 
 __all__ = ["LaunchConfig", "BUCKETS", "BUCKET_TABLE", "select_bucket", "tiles_per_group", "C"]

@@ -1,0 +1,106 @@
+"""Fingerprints of the Mosaic GPU modules of every pallas_sm90 kernel, on any machine.
+
+    python -m benchmarks.mosaic_ir_hashes > before.txt   # edit the kernels ...
+    python -m benchmarks.mosaic_ir_hashes > after.txt && diff before.txt after.txt
+
+Lowers each kernel variant for CUDA (the whole Python half of Mosaic GPU runs on a
+CPU-only machine) and prints the sha256 of its Mosaic module printed without debug
+locations, i.e. the program Mosaic hands to its compiler. Identical lines before and
+after a refactor mean the GPU runs the same kernels (so the H200 validation still
+holds); a changed line names the variant that a GPU run must check again. Variants:
+the forward kernel of every bucket plus two off-by-default knobs (overlap_epilogue,
+delay_release), trainer and serving entries, with and without bias, at the Qwen3-8B
+shape and a small one; the backward's dz kernel; both fold layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import core as mosaic_core
+
+import pallas_kernels as pk
+from pallas_kernels import sm90_backward, sm90_forward, tuning
+
+_captured: list[str] = []
+
+
+def _capture_modules():
+  """Records each Mosaic module (no locations) as it is serialized into the custom call."""
+  original = mosaic_core._run_serde_pass
+
+  def run_serde_pass(module, *args, **kwargs):
+    if kwargs.get("serialize"):
+      _captured.append(module.operation.get_asm(enable_debug_info=False))
+    return original(module, *args, **kwargs)
+
+  mosaic_core._run_serde_pass = run_serde_pass
+
+
+def _take() -> str:
+  text = _captured.pop()
+  _captured.clear()
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def forward_hashes():
+  configs = dict(tuning.BUCKETS)
+  configs["overlap"] = dataclasses.replace(tuning.BUCKETS["small"], name="overlap", overlap_epilogue=True)
+  configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
+  for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):
+    geom = sm90_forward.shard_geometry(v, v_rows)
+    for name, cfg in configs.items():
+      n_pad = -(-m // cfg.cta_rows) * cfg.cta_rows
+      for logits in (False, True):
+        for bias in (False, True):
+          args = [_sds((n_pad, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16)]
+          if bias:
+            args.append(_sds((v_rows + 64 * geom.tiles_per_group * (geom.n_groups + 1),), jnp.float32))
+          args += [_sds((n_pad,), jnp.int32), _sds((n_pad,), jnp.float32)]
+          sm90_forward._forward_core.trace(
+              *args, n_pad=n_pad, d=d, lg_cols=v, geom=geom, cfg=cfg, has_bias=bias, return_logits=logits,
+              num_ctas=132, interpret=False, interpret_params=None, lg_rows=m, fused_ptx=True, diag=(),
+          ).lower(lowering_platforms=("cuda",))
+          yield f"forward M={m} {name} logits={logits} bias={bias}", _take()
+
+
+def backward_hashes():
+  n, d, chunk = 256, 192, 512
+  for bias in (False, True):
+    args = [_sds((n, d), jnp.bfloat16), _sds((chunk, d), jnp.bfloat16)]
+    args += [_sds((chunk,), jnp.float32)] if bias else []
+    args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4 + [_sds((2,), jnp.int32)]
+    sm90_backward._dz_core.trace(*args, n_pad=n, d=d, chunk=chunk, has_bias=bias, num_ctas=132, interpret=False,
+                                 interpret_params=None).lower(lowering_platforms=("cuda",))
+    yield f"backward dz bias={bias}", _take()
+
+
+def fold_hashes():
+  n, n_split = 300, 264
+  for knobs in ({}, {"staged": False}):
+    a, v, t = _sds((n, n_split), jnp.float32), _sds((n,), jnp.float32), _sds((n,), jnp.int32)
+    jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
+    yield f"fold {knobs or 'staged'}", _take()
+
+
+def main():
+  _capture_modules()
+  for gen in (forward_hashes, backward_hashes, fold_hashes):
+    for name, digest in gen():
+      print(f"{digest}  {name}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
