@@ -168,14 +168,13 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
         m, s, z_t, owned, logits = be.partials(
             hidden, weight, bias, targets, inv_t,
             vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
-            return_logits=cfg.return_logits,
-            logits_cols=min(cfg.vocab_size, weight.shape[0]) if cfg.return_logits else None, **kw,
+            return_logits=cfg.return_logits, logits_cols=cfg.vocab_size if cfg.return_logits else None, **kw,
         )
         logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
     else:
         logp, lse, logits = be.forward(hidden, weight, bias, targets, inv_t, vocab_size=cfg.vocab_size, return_logits=cfg.return_logits)
-    if logits is not None:
-        logits = logits[:, : cfg.vocab_size]
+        if logits is not None:
+            logits = logits[:, : cfg.vocab_size]
     return logp, lse, logits
 
 
