@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import baselines
 from benchmarks.shapes import Shape
@@ -167,3 +168,26 @@ def min_bytes(spec: CaseSpec, m: int, itemsize: int) -> float:
     if spec.mode == "fwd_bwd":
         total += w + h
     return float(total)
+
+
+# --- inputs (shared by benchmarks.run and benchmarks.trace_calls) ---------------------------
+
+
+def make_weight(shape: Shape, dtype, seed: int) -> jax.Array:
+    """W [V_rows, D] ~ N(0, (3/sqrt(D))^2): logits of std ~3 for unit hidden."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), 0)
+    w = jax.random.normal(key, (shape.v_rows, shape.d), jnp.float32) * (3.0 / np.sqrt(shape.d))
+    return w.astype(dtype)
+
+
+def make_inputs(shape: Shape, dtype, seed: int, m: int, sets: int = 1) -> list[tuple[jax.Array, jax.Array]]:
+    """`sets` (hidden [M, D], targets [M]) pairs; identical for every backend at this M."""
+    out = []
+    for i in range(sets):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), 1 + i), m)
+        kh, kt = jax.random.split(key)
+        h = jax.random.normal(kh, (m, shape.d), jnp.float32).astype(dtype)
+        t = jax.random.randint(kt, (m,), 0, shape.v_real, jnp.int32)
+        out.append((h, t))
+    return out
+

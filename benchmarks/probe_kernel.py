@@ -27,7 +27,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import baselines
+from benchmarks import baselines, cases, shapes
 from detlogp_jax import api, contract as C, grad
 from pallas_kernels import sm90_fold, sm90_forward, tuning
 
@@ -38,20 +38,19 @@ flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
 
-D, V_ROWS, V_REAL = 4096, 152064, 151936
+SHAPE = shapes.get("qwen3_8b")
+D, V_ROWS, V_REAL = SHAPE.d, SHAPE.v_rows, SHAPE.v_real
 F32 = jnp.float32
 
 
 def _inputs(m, seed):
-  k = jax.random.split(jax.random.PRNGKey(seed), 2)
-  h = jax.random.normal(k[0], (m, D), F32).astype(jnp.bfloat16)
-  t = jax.random.randint(k[1], (m,), 0, V_REAL, jnp.int32)
+  """(hidden, targets) of the benchmark runner's input set `seed` at M = m."""
+  [(h, t)] = cases.make_inputs(SHAPE, jnp.bfloat16, seed, m)
   return h, t
 
 
 def _weight():
-  w = jax.random.normal(jax.random.PRNGKey(99), (V_ROWS, D), F32) * 0.02
-  return w.astype(jnp.bfloat16)
+  return cases.make_weight(SHAPE, jnp.bfloat16, seed=99)
 
 
 def _time(fn, arg_sets, calls, samples):

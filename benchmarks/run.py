@@ -190,23 +190,11 @@ def environment(cfg: RunConfig) -> dict:
 
 
 def make_weight(cfg: RunConfig) -> jax.Array:
-    """W [V_rows, D] ~ N(0, (3/sqrt(D))^2): logits of std ~3 for unit hidden."""
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0)
-    s = cfg.shape
-    w = jax.random.normal(key, (s.v_rows, s.d), jnp.float32) * (3.0 / np.sqrt(s.d))
-    return w.astype(DTYPES[cfg.dtype])
+    return cases.make_weight(cfg.shape, DTYPES[cfg.dtype], cfg.seed)
 
 
 def make_inputs(cfg: RunConfig, m: int) -> list[tuple[jax.Array, jax.Array]]:
-    """`input_sets` (hidden [M, D], targets [M]) pairs; identical for every backend at this M."""
-    out = []
-    for i in range(cfg.input_sets):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1 + i), m)
-        kh, kt = jax.random.split(key)
-        h = jax.random.normal(kh, (m, cfg.shape.d), jnp.float32).astype(DTYPES[cfg.dtype])
-        t = jax.random.randint(kt, (m,), 0, cfg.shape.v_real, jnp.int32)
-        out.append((h, t))
-    return out
+    return cases.make_inputs(cfg.shape, DTYPES[cfg.dtype], cfg.seed, m, cfg.input_sets)
 
 
 # --- one case -------------------------------------------------------------------------------

@@ -49,10 +49,8 @@ def main(argv):
   if why:
     raise SystemExit(f"{FLAGS.backend}: {why}")
   fn = jax.jit(cases.build(spec))
-  k = jax.random.split(jax.random.PRNGKey(0), 3)
-  hidden = jax.random.normal(k[0], (FLAGS.m, shape.d), jnp.float32).astype(jnp.bfloat16)
-  weight = (jax.random.normal(k[1], (shape.v_rows, shape.d), jnp.float32) * 0.02).astype(jnp.bfloat16)
-  targets = jax.random.randint(k[2], (FLAGS.m,), 0, shape.v_real, jnp.int32)
+  weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
+  [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
   for _ in range(3):
     jax.block_until_ready(fn(hidden, weight, targets))
   trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="trace_calls_")
