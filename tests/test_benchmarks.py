@@ -172,7 +172,7 @@ def test_progress_log_parser_rebuilds_cases():
 
 def test_trace_summary_prefers_device_threads():
     """benchmarks.trace_summary.summarize: device-stream events only when there are any, per-call means, span."""
-    from benchmarks import trace_summary as trace_calls
+    from benchmarks import trace_summary
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
@@ -181,10 +181,10 @@ def test_trace_summary_prefers_device_threads():
           {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 320, "dur": 30},
           {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 400, "dur": 310},
           {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 720, "dur": 40}]
-    s = trace_calls.summarize({"traceEvents": meta + ev}, calls=2)
+    s = trace_summary.summarize({"traceEvents": meta + ev}, calls=2)
     assert s["scope"] == "device"
     assert [r["name"] for r in s["rows"]] == ["fwd_kernel", "fold"]
     assert s["rows"][0]["us_per_call"] == 305.0 and s["rows"][1]["count"] == 2
     assert s["span_us_per_call"] == (760 - 10) / 2 and s["busy_us_per_call"] == 340.0
-    host = trace_calls.summarize({"traceEvents": meta[:1] + ev[:1]}, calls=1)
+    host = trace_summary.summarize({"traceEvents": meta[:1] + ev[:1]}, calls=1)
     assert host["scope"] == "host" and host["rows"][0]["name"] == "host_op"
