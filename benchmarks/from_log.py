@@ -16,6 +16,7 @@ import re
 
 from absl import app, flags
 
+from benchmarks import cases as bench_cases
 from benchmarks import report, shapes
 
 FLAGS = flags.FLAGS
@@ -59,14 +60,11 @@ def main(argv):
   del argv
   text = open(FLAGS.log).read()
   cases = parse(text)
-  shape = shapes.SHAPES[FLAGS.shape]
-  item = 2
-  ms = sorted({c.m for c in cases})
-  fl = []
-  for m in ms:
-    w, h = shape.v_rows * shape.d * item, m * shape.d * item
-    fl.append({"m": m, "hbm_floor_ms": (w + h + 12 * m) / (FLAGS.hbm_tbps * 1e12) * 1e3,
-               "compute_floor_ms": 2.0 * m * shape.d * shape.v_rows / (FLAGS.peak_tflops * 1e12) * 1e3})
+  # The runner's floor models (benchmarks.cases), for bf16 operands.
+  spec = bench_cases.CaseSpec(backend="xla", shape=shapes.SHAPES[FLAGS.shape], entry=FLAGS.entry, mode=FLAGS.mode)
+  fl = [{"m": m, "hbm_floor_ms": bench_cases.min_bytes(spec, m, 2) / (FLAGS.hbm_tbps * 1e12) * 1e3,
+         "compute_floor_ms": bench_cases.flops(spec, m) / (FLAGS.peak_tflops * 1e12) * 1e3}
+        for m in sorted({c.m for c in cases})]
   doc = {"schema": report.SCHEMA, "rebuilt_from_log": FLAGS.log, "shape": FLAGS.shape, "entry": FLAGS.entry,
          "mode": FLAGS.mode, "floors": fl, "cases": [c.as_dict() for c in cases]}
   report.write_json(doc, FLAGS.out)
