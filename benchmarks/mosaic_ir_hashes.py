@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import sys
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
@@ -46,7 +47,9 @@ def _capture_modules():
 
 
 def _take() -> str:
-  text = _captured.pop()
+  # The dump file name counts the modules lowered so far in the process; drop it so a
+  # hash does not depend on which variants were lowered before.
+  text = re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "", _captured.pop())
   _captured.clear()
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -59,10 +62,11 @@ def forward_hashes():
   configs = dict(tuning.BUCKETS)
   configs["overlap"] = dataclasses.replace(tuning.BUCKETS["small"], name="overlap", overlap_epilogue=True)
   configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
+  configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
   for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):
     geom = sm90_forward.shard_geometry(v, v_rows)
     for name, cfg in configs.items():
-      n_pad = -(-m // cfg.cta_rows) * cfg.cta_rows
+      n_pad = tuning.padded_rows(m, cfg)
       for logits in (False, True):
         for bias in (False, True):
           args = [_sds((n_pad, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16)]

@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws, ws_pipe, smem).")
+                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws, ws_pipe, smem, cluster).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -75,9 +75,8 @@ def _calls(m):
 def _kernel_fn(m, cfg, *, return_logits=False, diag=()):
   """Jitted kernel-only call on pre-padded operands (as `partials` builds them)."""
   geom = sm90_forward.shard_geometry(V_REAL, V_ROWS)
-  n_pad = max(-(-m // cfg.cta_rows), 1) * cfg.cta_rows
-  work = (n_pad // cfg.cta_rows) * geom.n_local
-  num_ctas = max(1, min(tuning.default_num_sms() * cfg.ctas_per_sm, work))
+  n_pad = tuning.padded_rows(m, cfg)
+  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms())
   lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
 
   def prep(h, t):
@@ -184,7 +183,7 @@ class Probe:
         key = ref_key or (m, return_logits)
         # The M real rows only: a config with another rows/CTA pads to another n_pad
         # (m, s are [n_local, n_pad]), and whole arrays of different shapes never compare equal.
-        bits = [np.asarray(x)[:, :m] for x in out[:3]]
+        bits = [np.asarray(x)[:, :m] for x in out[:3]] + [np.asarray(x)[:m] for x in out[3:]]
         if key not in self.ref_bits:
           self.ref_bits[key] = bits
           extra["bits"] = "reference"
@@ -436,6 +435,24 @@ def main(argv):
              diag=("skip_epilogue", "pad_smem96"))
     p.kernel("smem", "chain st3 + 96 KiB pad", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
              diag=("pad_smem96",))
+
+  if "cluster" in groups:
+    # TMA multicast of the weight K slices over 2-CTA clusters (half the L2->SMEM
+    # weight traffic per CTA). Bytes of every variant vs the shipped prefill config.
+    c2 = _v("prefill", "c2", cluster=2)
+    for m in (4096, 16384):
+      p.kernel("cluster", "prefill", m, tuning.BUCKETS["prefill"])
+      p.kernel("cluster", "cluster2", m, c2)
+    m = 4096
+    p.kernel("cluster", "prefill skip", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
+    p.kernel("cluster", "cluster2 skip", m, c2, diag=("skip_epilogue",))
+    for g in (0, 2, 8):
+      p.kernel("cluster", f"cluster2 g{g}", m, _v("prefill", f"c2g{g}", cluster=2, split_group=g))
+    p.kernel("cluster", "prefill serving", m, tuning.BUCKETS["prefill"], return_logits=True)
+    p.kernel("cluster", "cluster2 serving", m, c2, return_logits=True)
+    for m in (640, 4160):  # an odd number of 128-row blocks: the cluster pads one more
+      p.kernel("cluster", "prefill", m, tuning.BUCKETS["prefill"])
+      p.kernel("cluster", "cluster2", m, c2)
 
   if "large" in groups:
     m = 16384

@@ -759,12 +759,11 @@ def partials(
   if v_rows8 != v_rows:
     weight = _pad_rows(weight, v_rows8)  # (bias is padded to the full width below)
   cfg = tuning.select_bucket(n, bucket)
-  n_pad = max(-(-n // cfg.cta_rows), 1) * cfg.cta_rows
-  n_rb = n_pad // cfg.cta_rows
-  work = n_rb * geom.n_local
-  if num_ctas is None:
-    num_ctas = 2 if interpret else tuning.default_num_sms() * cfg.ctas_per_sm
-  num_ctas = max(1, min(int(num_ctas), work))
+  n_pad = tuning.padded_rows(n, cfg)
+  num_sms = 2 if interpret else tuning.default_num_sms()
+  if num_ctas is not None:
+    num_sms, cfg = int(num_ctas), dataclasses.replace(cfg, ctas_per_sm=1)
+  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, num_sms)
   local_tiles = -(-geom.shard_cols // TILE)
   args = [_pad_rows(hidden, n_pad), weight]
   if bias is not None:

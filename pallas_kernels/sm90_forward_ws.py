@@ -113,8 +113,14 @@ def build(
   per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
   reg_producer, reg_mma, reg_epi = register_split(cfg)
   cta_rows = cfg.cta_rows
-  assert n_pad % cta_rows == 0
+  cl = cfg.cluster
+  if cl not in (1, 2):
+    raise ValueError(f"cluster must be 1 or 2, got {cl}")
+  if cl > 1 and interpret:
+    raise ValueError("the interpreter has no TMA multicast: run cluster=1 (the same bits) in interpret mode")
+  assert n_pad % (cta_rows * cl) == 0 and num_ctas % cl == 0, (n_pad, num_ctas, cl)
   n_rb = n_pad // cta_rows
+  n_clusters = num_ctas // cl
   tile_k = cfg.tile_k
   if tile_k not in (32, 64):
     raise ValueError(f"tile_k must be 32 or 64, got {tile_k}")
@@ -123,7 +129,7 @@ def build(
   k_iters = d // tile_k
   w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
   c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
-  n_items = n_local * n_rb
+  n_items = n_local * (n_rb // cl)  # (split, cluster row block) pairs
   w_dump = 1 if "dump_one_tile" in diag else w  # tiles per hand-off buffer
   dump_bytes = tuning.accumulator_copy_bytes(cfg, w_dump)
   stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
@@ -158,7 +164,10 @@ def build(
         # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
         dump=plgpu.SMEM((n_mma, w_dump, 8, bm, 8), F32),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        empty=plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages),
+        # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
+        # cluster are done with it (the peer's multicast writes into it too).
+        empty=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=n_mma, num_barriers=stages)
+               if cl > 1 else plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages)),
         dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
         dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
     )
@@ -166,11 +175,12 @@ def build(
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
     def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty):
       wg = lax.axis_index("wg")
-      cta = lax.axis_index("cta")
-      n_mine = (n_items - 1 - cta) // num_ctas + 1  # work items of this CTA: cta, cta + num_ctas, ...
+      cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
+      n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
 
       def item(li):
-        js, rb = sm90_forward._work_item(cta + li * num_ctas, n_local, n_rb, sg)
+        js, rbc = sm90_forward._work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
+        rb = rbc * cl + lax.axis_index("cluster") if cl > 1 else rbc
         t0, t1 = sm90_forward._split_tiles(geom, js + j0)
         return js, rb, t0, t1
 
@@ -197,8 +207,11 @@ def build(
             plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * tile_k, tile_k)],
                                     h_smem.at[slot], full.at[slot])
             # Rows past the weight's end (the last group of the last split) read as zero (TMA fill).
+            # In a cluster both CTAs issue this same copy: each loads half the rows and
+            # multicasts them to both, and each CTA's full[slot] awaits all gcols rows.
             plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)],
-                                    w_smem.at[slot], full.at[slot])
+                                    w_smem.at[slot], full.at[slot],
+                                    collective_axes="cluster" if cl > 1 else None)
             return step + 1
 
           return lax.fori_loop(0, n_groups * k_iters, load_step, step)
@@ -330,8 +343,9 @@ def build(
   return plgpu.kernel(
       kernel,
       out_type=sm90_forward.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
-      grid=(num_ctas,),
+      grid=(n_clusters,),
       grid_names=("cta",),
+      **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
       num_threads=producer + 1,
       thread_name="wg",
       # No automatic warpgroup barriers around SMEM accesses (unless cfg.auto_barriers,

@@ -24,6 +24,11 @@ is how the fixed work is laid onto the GPU:
   shared memory to that many dedicated epilogue warpgroups
   (`sm90_forward_ws`), so the next group's wgmmas run while the chain of the
   previous one does; the operations and their order per tile are the same,
+* `cluster`: 2 pairs CTAs into a cluster that works on two adjacent row
+  blocks of the same split at once; each CTA loads half of every weight K
+  slice and multicasts it to both (TMA `.multicast::cluster`), so the weight
+  bytes read from L2 per CTA halve. The data each wgmma reads is the same,
+  only how it reaches shared memory differs,
 * `overlap_epilogue`: at the end of a tile group each consumer warpgroup
   copies its accumulator to shared memory and runs the chain of that group in
   small pieces between the next group's wgmma issue and wait, so the tensor
@@ -65,10 +70,28 @@ class LaunchConfig:
   epilogue_slices: int = 2  # sm90_forward_ws: 8-column slices per step of the chain's exp loop
   tile_k: int = 64  # sm90_forward_ws: K slice per pipeline stage (64: 128B swizzle, 32: 64B)
   auto_barriers: bool = False  # sm90_forward_ws: keep Pallas's automatic warpgroup barriers (timing only)
+  cluster: int = 1  # sm90_forward_ws: CTAs per cluster sharing each weight K slice by TMA multicast
 
   @property
   def cta_rows(self) -> int:
     return self.block_m * self.num_compute_wgs
+
+  @property
+  def row_quantum(self) -> int:
+    """Rows the kernel's input is padded to a multiple of (a cluster's row blocks)."""
+    return self.cta_rows * self.cluster
+
+
+def padded_rows(n_rows: int, cfg: LaunchConfig) -> int:
+  """Rows of the padded operands for n_rows real rows (at least one row block per cluster CTA)."""
+  q = cfg.row_quantum
+  return max(-(-n_rows // q), 1) * q
+
+
+def persistent_ctas(n_pad: int, n_local: int, cfg: LaunchConfig, num_sms: int) -> int:
+  """Persistent CTA count: one per work item up to SMs * ctas_per_sm, a multiple of the cluster."""
+  work = (n_pad // cfg.cta_rows) * n_local
+  return max(cfg.cluster, min(num_sms * cfg.ctas_per_sm, work) // cfg.cluster * cfg.cluster)
 
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).
