@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws, ws_pipe, smem, cluster).")
+                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws, ws_pipe, smem, cluster, decode_ws).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -453,6 +453,25 @@ def main(argv):
     for m in (640, 4160):  # an odd number of 128-row blocks: the cluster pads one more
       p.kernel("cluster", "prefill", m, tuning.BUCKETS["prefill"])
       p.kernel("cluster", "cluster2", m, c2)
+
+  if "decode_ws" in groups:
+    # The epilogue-warpgroup kernel for the decode and small buckets: the chain runs beside
+    # the weight stream instead of between tile groups of the one wgmma warpgroup.
+    for m in (1, 8, 64):
+      p.kernel("decode_ws", "decode", m, tuning.BUCKETS["decode"])
+      for st in (4, 5):
+        p.kernel("decode_ws", f"ws decode st{st}", m, _v("decode", f"wsd{st}", epilogue_wgs=1, max_concurrent_steps=st))
+    for m in (128, 256, 512):
+      p.kernel("decode_ws", "small", m, tuning.BUCKETS["small"])
+      p.kernel("decode_ws", "ws small st3", m, _v("small", "wss3", epilogue_wgs=1, max_concurrent_steps=3))
+    m = 64
+    p.kernel("decode_ws", "decode serving", m, tuning.BUCKETS["decode"], return_logits=True)
+    p.kernel("decode_ws", "ws decode st5 serving", m, _v("decode", "wsd5", epilogue_wgs=1, max_concurrent_steps=5),
+             return_logits=True)
+    # Is a pipeline without a live accumulator dead code? The 3-stage chain-in-wgmma pipeline
+    # ran at 5.3 ms with `skip_epilogue` (the accumulator is never read); here it is read.
+    p.kernel("decode_ws", "chain st3 acc_max_only", 4096, _v("prefill_chain", "c3", max_concurrent_steps=3),
+             diag=("acc_max_only",))
 
   if "large" in groups:
     m = 16384
