@@ -97,8 +97,14 @@ def persistent_ctas(n_pad: int, n_local: int, cfg: LaunchConfig, num_sms: int) -
 # M-bucketed launch table. Every entry must give identical bytes (tested).
 BUCKETS: dict[str, LaunchConfig] = {
     # One row block of 64; the 264 splits spread over all SMs (2 per CTA),
-    # deep TMA pipeline to keep ~4 TB/s of weight streaming in flight.
-    "decode": LaunchConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=6, ctas_per_sm=1),
+    # deep TMA pipeline to keep ~4 TB/s of weight streaming in flight. The chain
+    # runs in a dedicated epilogue warpgroup (sm90_forward_ws: 5 stages of 32 KiB
+    # + 48 KiB hand-off), so the weight stream does not pause between tile groups
+    # (H200, kernel-only, M = 1/8/64: 0.304/0.305/0.305 ms vs 0.332/0.327/0.331 ms
+    # with the chain in the wgmma warpgroup at 6 stages;
+    # benchmarks/results/h200_2026-11-30d/probe_decode_ws.jsonl).
+    "decode": LaunchConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5, ctas_per_sm=1,
+                           epilogue_wgs=1),
     # Two consumer warpgroups, 64 rows each.
     "small": LaunchConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
     # Large M: 2 x 64 rows per CTA in two wgmma warpgroups plus one dedicated
