@@ -1,0 +1,80 @@
+"""SM clock and board power while a kernel runs back to back (nvidia-h200).
+
+    PYTHONPATH=. python3 -m benchmarks.power_probe --m 16384 --seconds 4 --out /tmp/power.jsonl  # --out: probe_kernel's flag
+
+For each variant: time calls for --seconds while `nvidia-smi -lms 50` samples the SM
+clock and the board power; one JSON line per variant with the median clock / power
+over the samples taken after the first second (the clock settles). The question it
+answers: is a fused kernel that runs slower than the GEMM alone, with the same
+pipeline, held back by the board's power limit (lower SM clock) rather than by its
+schedule?
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import baselines, probe_kernel
+from pallas_kernels import tuning
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("m", 16384, "Rows.")
+flags.DEFINE_float("seconds", 4.0, "Seconds of back-to-back calls per variant.")
+# --out (JSON lines output) is probe_kernel's flag, shared.
+
+
+def _sample(fn, args, seconds):
+  jax.block_until_ready(fn(*args))
+  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                          "-lms", "50"], stdout=subprocess.PIPE, text=True)
+  t0 = time.perf_counter()
+  calls = 0
+  while time.perf_counter() - t0 < seconds:
+    outs = [fn(*args) for _ in range(4)]
+    jax.block_until_ready(outs)
+    calls += 4
+  elapsed = time.perf_counter() - t0
+  smi.terminate()
+  text, _ = smi.communicate()
+  rows = [tuple(float(x) for x in line.split(",")) for line in text.strip().splitlines() if line.count(",") == 1]
+  settled = rows[len(rows) // max(1, int(seconds)):] or rows
+  return {"ms_per_call": elapsed / calls * 1e3, "calls": calls, "samples": len(settled),
+          "sm_mhz_median": statistics.median(r[0] for r in settled), "sm_mhz_min": min(r[0] for r in settled),
+          "power_w_median": statistics.median(r[1] for r in settled), "power_w_max": max(r[1] for r in settled)}
+
+
+def main(argv):
+  del argv
+  m = FLAGS.m
+  w = probe_kernel._weight()
+  h, t = probe_kernel._inputs(m, 1)
+  out = open(FLAGS.out, "w")
+
+  def record(name, res):
+    row = {"name": name, "m": m, **res}
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+    print(json.dumps(row), flush=True)
+
+  ws = tuning.BUCKETS["prefill"]
+  for name, diag in (("pallas_sm90 prefill kernel", ()), ("the same, skip_epilogue (no chain)", ("skip_epilogue",))):
+    run, prep = probe_kernel._kernel_fn(m, ws, diag=diag)
+    hp, tp, ip = prep(h, t)
+    record(name, _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+  record("xla gemm alone (cuBLAS)", _sample(jax.jit(baselines.gemm), (h, w), FLAGS.seconds))
+  time.sleep(2)
+  run, prep = probe_kernel._kernel_fn(m, ws)
+  hp, tp, ip = prep(h, t)
+  record("pallas_sm90 prefill kernel (again)", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+
+
+if __name__ == "__main__":
+  app.run(main)
