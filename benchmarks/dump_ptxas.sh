@@ -2,7 +2,7 @@
 # Compiles the prefill forward kernel once with Mosaic GPU's dump enabled and
 # prints ptxas resource lines (registers, spills) of every kernel compiled.
 # Usage (on the GPU machine): bash benchmarks/dump_ptxas.sh <out_dir> [diag,...]
-# Env: OVERLAP=1 (overlap_epilogue), EPILOGUE_WGS=1|2 (sm90_forward_ws).
+# Env: EPILOGUE_WGS=1|2 (sm90_forward_ws).
 set -u
 out=${1:-/tmp/mosaic_dump}
 mkdir -p "$out"
@@ -13,7 +13,6 @@ from pallas_kernels import tuning
 diag = tuple(x for x in sys.argv[1].split(",") if x)
 import dataclasses, os
 cfg = tuning.BUCKETS["prefill"]
-if os.environ.get("OVERLAP"): cfg = dataclasses.replace(cfg, overlap_epilogue=True)
 if os.environ.get("EPILOGUE_WGS"): cfg = dataclasses.replace(cfg, epilogue_wgs=int(os.environ["EPILOGUE_WGS"]))
 run, prep = pk._kernel_fn(4096, cfg, diag=diag)
 h, t = pk._inputs(4096, 1)

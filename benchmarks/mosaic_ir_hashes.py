@@ -8,8 +8,8 @@ CPU-only machine) and prints the sha256 of its Mosaic module printed without deb
 locations, i.e. the program Mosaic hands to its compiler. Identical lines before and
 after a refactor mean the GPU runs the same kernels (so the H200 validation still
 holds); a changed line names the variant that a GPU run must check again. Variants:
-the forward kernel of every bucket plus two off-by-default knobs (overlap_epilogue,
-delay_release), trainer and serving entries, with and without bias, at the Qwen3-8B
+the forward kernel of every bucket plus two off-by-default knobs (delay_release,
+cluster), trainer and serving entries, with and without bias, at the Qwen3-8B
 shape and a small one; the backward's dz kernel; both fold layouts.
 """
 
@@ -60,7 +60,6 @@ def _sds(shape, dtype):
 
 def forward_hashes():
   configs = dict(tuning.BUCKETS)
-  configs["overlap"] = dataclasses.replace(tuning.BUCKETS["small"], name="overlap", overlap_epilogue=True)
   configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
   configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
   for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):

@@ -33,7 +33,7 @@ from pallas_kernels import sm90_fold, sm90_forward, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, overlap, overlap2, bwd_variants, epi_next, ws, ws_pipe, smem, cluster, decode_ws).")
+                  "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, ws_pipe, smem, cluster, decode_ws).")
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
@@ -345,25 +345,6 @@ def main(argv):
     p.kernel("epi_small", "serving new slots2", m, _v("prefill_chain", "l2", logits_slots=2), return_logits=True)
     p.kernel("epi_small", "serving new slots1", m, _v("prefill_chain", "l1", logits_slots=1), return_logits=True)
     p.kernel("epi_small", "serving new slots3", m, _v("prefill_chain", "l5", logits_slots=3), return_logits=True)
-
-  if "overlap" in groups:
-    for m in (4096, 16384, 1024, 256, 64, 1):
-      base = tuning.select_bucket(m)
-      p.kernel("overlap", base.name, m, base)
-      p.kernel("overlap", base.name + "+overlap", m, dataclasses.replace(base, name="o", overlap_epilogue=True))
-    m = 4096
-    p.kernel("overlap", "serving", m, CHAIN_IN_WGMMA, return_logits=True)
-    p.kernel("overlap", "serving+overlap", m, _v("prefill_chain", "o", overlap_epilogue=True), return_logits=True)
-
-  if "overlap2" in groups:
-    m = 4096
-    ov = _v("prefill_chain", "o", overlap_epilogue=True)
-    p.kernel("overlap2", "prefill", m, CHAIN_IN_WGMMA)
-    p.kernel("overlap2", "prefill skip_epilogue", m, CHAIN_IN_WGMMA, diag=("skip_epilogue",))
-    p.kernel("overlap2", "prefill st3", m, _v("prefill_chain", "p3s", max_concurrent_steps=3))
-    p.kernel("overlap2", "prefill st3 skip_epilogue", m, _v("prefill_chain", "p3s", max_concurrent_steps=3), diag=("skip_epilogue",))
-    p.kernel("overlap2", "overlap", m, ov)
-    p.kernel("overlap2", "overlap nopieces", m, ov, diag=("ov_nopieces",))
 
   if "epi_next" in groups:
     # Next experiments on the chain's cost (not run yet): does it scale with the tiles

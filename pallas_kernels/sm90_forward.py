@@ -31,11 +31,7 @@ H[rows, k-slice] and W[group columns, k-slice] (128B swizzle) while each
 consumer warpgroup (its own block_m rows) issues wgmma into its accumulator
 [block_m, 64*w]; after the last K slice of a group it runs the chain over the
 group's w tiles in ascending order and zeroes the accumulator. The chain state
-(m, S, z_t) is the pipeline carry (registers). With
-`LaunchConfig.overlap_epilogue` (an experimental knob, off in every bucket:
-bit-identical but slower on the H200, see docs/PERF_NOTES.md) the
-accumulator is copied to shared memory instead and the chain runs in pieces
-under the next group's wgmmas.
+(m, S, z_t) is the pipeline carry (registers).
 
 `LaunchConfig.epilogue_wgs > 0` (the prefill bucket) builds
 `sm90_forward_ws.build` instead: the same work items and bits, with the chain in
@@ -61,10 +57,6 @@ from pallas_kernels import interpret_utils, ptx_ops, tile_math, tuning
 F32 = jnp.float32
 TILE = C.TILE_V
 TILE_K = 64  # K slice per pipeline step: 64 bf16 = 128 bytes = one 128B swizzle row.
-# overlap_epilogue: pieces of one tile's chain (A, EXP_PIECES exp pieces, C).
-EXP_PIECES = 4
-SLICES_PER_PIECE = 8 // EXP_PIECES
-PIECES_PER_TILE = 2 + EXP_PIECES
 SWIZZLE = 128
 
 
@@ -262,9 +254,7 @@ def build_forward(
   masks on every tile instead of only on tiles that reach past the limit;
   "acc_max_only" reads the accumulator and takes one row max instead of the
   chain; "wg0_only" runs the chain in consumer warpgroup 0 only; "one_tile"
-  runs it on the first tile of each group only; "ov_nopieces" (with
-  overlap_epilogue) copies the accumulator out but runs no chain;
-  "pad_smem96" allocates 96 KiB of unused shared memory (does the pipeline
+  runs it on the first tile of each group only; "pad_smem96" allocates 96 KiB of unused shared memory (does the pipeline
   slow down with the shared-memory footprint alone?).
   """
   if cfg.epilogue_wgs:
@@ -298,13 +288,7 @@ def build_forward(
   n_local = geom.n_local
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
   row_l, col_l = _row_layout(), _col_layout()
-  n_pieces = w * PIECES_PER_TILE
-  overlap = cfg.overlap_epilogue and k_iters >= n_pieces + 2 and set(diag) <= {"ov_nopieces"}
-  ov_nopieces = "ov_nopieces" in diag  # timing only: dump and pipeline, no chain
-  if overlap:
-    extra_smem = tuning.accumulator_copy_bytes(cfg, w)  # the logits TMA stores read the dump itself
-  else:
-    extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
+  extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
   stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
   delay = cfg.delay_release if stages > cfg.delay_release else 0
   slots = cfg.logits_slots
@@ -314,7 +298,7 @@ def build_forward(
   zero_first = "zero_first" in diag
   mask_always = "mask_always" in diag
   chain_diag = tuple(x for x in diag if x in ("no_hit", "no_exp", "no_mask"))
-  known = {"skip_epilogue", "zero_first", "mask_always", "no_hit", "no_exp", "no_mask", "ov_nopieces",
+  known = {"skip_epilogue", "zero_first", "mask_always", "no_hit", "no_exp", "no_mask",
            "acc_max_only", "wg0_only", "one_tile", "pad_smem96"}
   if set(diag) - known:
     raise ValueError(f"unknown diag {sorted(set(diag) - known)}; known: {sorted(known)}")
@@ -353,163 +337,15 @@ def build_forward(
     # divides it (lg_cols is a multiple of 8, so 32B always works).
     lg_swz = next(sw for sw in (128, 64, 32) if lg_cols % (sw // 4) == 0) if return_logits else 128
     lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
-    if overlap:
-      scoped["dump"] = plgpu.SMEM((n_wg, w, bm, TILE), F32, transforms=lg_transforms)
-    elif return_logits:
+    if return_logits:
       scoped["out_smem"] = plgpu.SMEM((n_wg, slots, bm, TILE), F32, transforms=lg_transforms)
     if "pad_smem96" in diag:  # timing only: 96 KiB of shared memory nobody touches
       scoped["pad"] = plgpu.SMEM((96 * 1024 // 4,), F32)
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem=None, dump=None, pad=None):
+    def _scope(pipeline_allocs, out_smem=None, pad=None):
       del pad
       wg = lax.axis_index("wg")
-
-      def _overlapped_item(js, t0, t1, row0, wrow0, limit, dump, pipeline_allocs):
-        """One work item with the chain of group g run in pieces under group g+1's wgmmas.
-
-        At the last K step of a group the warpgroup copies its accumulator
-        (plus the bias, z = fl(acc + b)) to `dump` (and, for the serving entry,
-        TMA-stores the logits tiles from there). During the first `n_pieces` K steps of the next group, between
-        the wgmma issue and its wait, it runs one piece per step: per tile,
-        (A) y = fl(z * inv_t) [masked], m' and alpha, the target capture;
-        (B) EXP_PIECES pieces of e = pexp(y - m') [masked] and the in-thread +
-        2-shuffle sums of two 8-column slices each; (C) the pinned pairwise
-        adds of the eight slice sums and S = fl(fl(S * alpha) + tree). These
-        are exactly `tile_math.chain_tile`'s operations in its order; only
-        their placement in time changes. The last group's pieces run after
-        the pipeline.
-        """
-        wrow = row0 + wg * bm
-        ops_box = {}
-        row_cast = lambda x: _cast(x, row_l, interpret)
-        tile_cast = lambda x: _cast(x, plgpu.Layout.WGMMA, interpret)
-
-        def tile_info(gp, i):
-          tile = t0 + gp * w + i
-          return tile, tile * TILE, (tile + 1) * TILE <= limit
-
-        def piece_a(i, gp, st):
-          ops, tgt, invt_b, col_iota = ops_box["ops"], ops_box["tgt"], ops_box["invt_b"], ops_box["col_iota"]
-          m, s, zt, y, mn, al, *parts = st
-          tile, tcol0, full = tile_info(gp, i)
-          z = dump.at[wg, i][...]  # post-bias logits of the tile
-          col = col_iota + tcol0
-          yv = ops.mul(z, invt_b)
-          y = lax.cond(full, lambda yv, col: tile_cast(yv),
-                       lambda yv, col: tile_cast(jnp.where(col < limit, yv, jnp.asarray(-jnp.inf, F32))), yv, col)
-          mn = jnp.maximum(m, jnp.max(y, axis=1))
-          al = jnp.where(m == mn, jnp.asarray(1.0, F32), ops.exp_diff(m, mn))
-          tgt_b = jnp.broadcast_to(tgt[:, None], (bm, TILE))
-          z_hit = jnp.max(jnp.where(col == tgt_b, z, jnp.asarray(-jnp.inf, F32)), axis=1)
-          row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
-          zt = jnp.where(row_hit, z_hit, zt)
-          return (row_cast(m), row_cast(s), row_cast(zt), tile_cast(y), row_cast(mn), row_cast(al),
-                  *map(row_cast, parts))
-
-        def piece_b(i, q, gp, st):
-          ops, col_iota = ops_box["ops"], ops_box["col_iota"]
-          m, s, zt, y, mn, al, *parts = st
-          tile, tcol0, full = tile_info(gp, i)
-          m_b = jnp.broadcast_to(mn[:, None], (bm, 8))
-          js_ = range(q * SLICES_PER_PIECE, (q + 1) * SLICES_PER_PIECE)
-
-          def sums(masked):
-            out = []
-            for jj in js_:
-              e = ops.exp_diff(y[:, 8 * jj : 8 * jj + 8], m_b)
-              if masked:
-                col = col_iota[:, 8 * jj : 8 * jj + 8] + tcol0
-                e = jnp.where(col < limit, e, jnp.asarray(0.0, F32))
-              out.append(row_cast(tile_math.slice_sum8(e, ops, interpret=interpret)))
-            return tuple(out)
-
-          new = lax.cond(full, lambda: sums(False), lambda: sums(True))
-          parts = list(parts)
-          for jj, v in zip(js_, new):
-            parts[jj] = v
-          return (m, s, zt, y, mn, al, *parts)
-
-        def piece_c(i, gp, st):
-          ops = ops_box["ops"]
-          m, s, zt, y, mn, al, *parts = st
-          tree = tile_math.pairwise(list(parts), ops)
-          s = ops.add(ops.mul(s, al), tree)
-          return (row_cast(mn), row_cast(s), zt, y, mn, al, *parts)
-
-        pieces = []
-        for i in range(w):
-          pieces.append(functools.partial(piece_a, i))
-          pieces += [functools.partial(piece_b, i, q) for q in range(EXP_PIECES)]
-          pieces.append(functools.partial(piece_c, i))
-        assert len(pieces) == n_pieces
-
-        def dump_group(acc_ref, g):
-          z_all = acc_ref[...]
-          if return_logits:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last group's stores have read the dump
-          for i in range(w):
-            z = z_all[:, i * TILE : (i + 1) * TILE]
-            if has_bias:  # z = fl(acc + b): the dump holds the post-bias logits
-              b = _load(b_gmem.at[pl.ds((t0 + g * w + i) * TILE - c0, TILE)], col_l, interpret)
-              z = ops_box["ops"].add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
-            dump.at[wg, i][...] = z
-          _zero_acc(acc_ref, bm, gcols, interpret)
-          if return_logits:
-            plgpu.commit_smem()
-            for i in range(w):
-              tile = t0 + g * w + i
-
-              @pl.when((tile < t1) & (tile * TILE - c0 < lg_cols))
-              def _store():
-                plgpu.copy_smem_to_gmem(dump.at[wg, i], lg_out.at[pl.ds(wrow, bm), pl.ds(tile * TILE - c0, TILE)])
-
-        def mma_body(idxs, h_smem, w_smem, carry):
-          g, k = idxs
-          acc_ref, st = carry[0], carry[1:]
-          plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
-          if not ov_nopieces:
-            active = (g >= 1) & (k >= 1) & (k <= n_pieces)
-            branches = [lambda gp, st: st] + [functools.partial(lambda f, gp, st: f(gp, st), f) for f in pieces]
-            st = lax.switch(jnp.where(active, k, 0), branches, g - 1, st)
-          plgpu.wgmma_wait(0)
-
-          @pl.when(k == k_iters - 1)
-          def _dump():
-            dump_group(acc_ref, g)
-
-          return (acc_ref, *st)
-
-        def compute_context(eval_pipeline):
-          tgt = _load(tgt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
-          invt = _load(invt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
-          ops = ptx_ops.make_ops(interpret, _layout_of, source=invt, fused=fused_ptx)
-          col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
-          if not interpret:
-            col_iota = plgpu.layout_cast(col_iota, plgpu.Layout.WGMMA)
-          ops_box.update(ops=ops, tgt=tgt, invt_b=jnp.broadcast_to(invt[:, None], (bm, TILE)), col_iota=col_iota)
-
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
-          def _acc_scope(acc_ref):
-            st = (
-                row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.zeros((bm,), F32)),
-                row_cast(jnp.zeros((bm,), F32)), tile_cast(jnp.zeros((bm, TILE), F32)),
-                row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.ones((bm,), F32)),
-                *[row_cast(jnp.zeros((bm,), F32)) for _ in range(8)],
-            )
-            _, *st = eval_pipeline((acc_ref, *st))
-            for f in ([] if ov_nopieces else pieces):  # the last group, after the pipeline
-              st = f(n_groups - 1, tuple(st))
-            m, s, zt = st[:3]
-            m_out.at[js, pl.ds(wrow, bm)][...] = m
-            s_out.at[js, pl.ds(wrow, bm)][...] = s
-            zt_out.at[js, pl.ds(wrow, bm)][...] = zt
-
-        get_pipeline(mma_body, compute_context)(
-            h_gmem.at[pl.ds(row0, cta_rows), :],
-            w_gmem.at[pl.ds(wrow0, w_span), :],
-            allocations=pipeline_allocs,
-        )
 
       @plgpu.nd_loop((n_items,), collective_axes="cta")
       def _work(info):
@@ -519,10 +355,6 @@ def build_forward(
         row0 = rb * cta_rows
         wrow0 = t0 * TILE - c0  # first weight row of this split
         limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
-
-        if overlap:
-          _overlapped_item(js, t0, t1, row0, wrow0, limit, dump, pipeline_allocs)
-          return
 
         def compute_context(eval_pipeline):
           wrow = row0 + wg * bm

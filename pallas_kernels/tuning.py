@@ -29,11 +29,6 @@ is how the fixed work is laid onto the GPU:
   slice and multicasts it to both (TMA `.multicast::cluster`), so the weight
   bytes read from L2 per CTA halve. The data each wgmma reads is the same,
   only how it reaches shared memory differs,
-* `overlap_epilogue`: at the end of a tile group each consumer warpgroup
-  copies its accumulator to shared memory and runs the chain of that group in
-  small pieces between the next group's wgmma issue and wait, so the tensor
-  cores stay busy (the last group of a work item runs after its pipeline);
-  the per-tile operations and their order are the same,
 
 selected by an M bucket (`decode`, `small`, `prefill`). `tiles_per_group`
 (the wgmma N width in 64-column tiles) is derived from the split geometry
@@ -64,7 +59,6 @@ class LaunchConfig:
   delay_release: int = 0  # 1: wgmma_wait(1) and release the pipeline slot one step later
   split_group: int = 0  # work order: 0 = row blocks fastest; G = G splits fastest within a group
   logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
-  overlap_epilogue: bool = False  # chain of group g runs in pieces under group g+1's wgmmas
   epilogue_wgs: int = 0  # >0: the chain runs in this many dedicated warpgroups (sm90_forward_ws)
   mma_registers: int = 0  # sm90_forward_ws: registers per wgmma-warpgroup thread (0: auto)
   epilogue_slices: int = 2  # sm90_forward_ws: 8-column slices per step of the chain's exp loop
@@ -134,7 +128,7 @@ def logits_staging_bytes(cfg: LaunchConfig) -> int:
 
 def accumulator_copy_bytes(cfg: LaunchConfig, tiles_per_group: int) -> int:
   """SMEM holding one copy of every wgmma warpgroup's accumulator [block_m, 64 w] f32
-  (the overlap_epilogue dump, and the hand-off buffers of `sm90_forward_ws`)."""
+  (the hand-off buffers of `sm90_forward_ws`)."""
   return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
 
 

@@ -247,51 +247,6 @@ def test_launch_knobs_are_bit_neutral():
         assert_bitwise_equal(lse, ref_lse, f"lse {cfg}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("v,vp,d,force_w,races", [(34000, 34816, 512, 1, True), (152000, 152064, 1280, None, False)])
-def test_overlapped_epilogue_is_bit_identical(monkeypatch, v, vp, d, force_w, races):
-    """overlap_epilogue (chain in pieces under the next group's wgmmas, logits stored from the
-    dump) == the plain epilogue, on a shard of the first 4 splits: 2-tile splits with w = 1
-    (2 groups; race detection on), and Qwen-like 9-tile splits with the natural w = 3."""
-    import dataclasses
-
-    n = 70
-    plan = C.split_bounds(vp)
-    shard = plan.ends[3] * C.TILE_V
-    if force_w:
-        monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: force_w)
-    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=4, per_row_t=True)
-    t[5], t[6], t[7] = 5, shard - 1, C.TILE_V * plan.ends[0]
-    w, b = w[:shard], b[:shard]
-    from pallas_kernels import sm90_forward
-
-    geom = sm90_forward.shard_geometry(v, vp, 0, shard)
-    # build_forward falls back to the plain epilogue unless k_iters >= pieces + 2: make sure it does not here.
-    assert d // sm90_forward.TILE_K >= geom.tiles_per_group * sm90_forward.PIECES_PER_TILE + 2, geom.tiles_per_group
-    ip = plgpu.InterpretGPUParams(detect_races=races)
-
-    def run(cfg, logits):
-        return pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp,
-                           col_offset=0, shard_cols=shard, interpret=True, interpret_params=ip, bucket=cfg,
-                           num_ctas=1 if races else 2, return_logits=logits)
-
-    base = tuning.BUCKETS["small"]
-    ov = dataclasses.replace(base, name="overlap", overlap_epilogue=True)
-    ref = run(base, True)
-    out = run(ov, True)
-    if races:
-        assert not _races_found(), "race detected in the overlapped epilogue"
-    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
-        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
-    lg = np.pad(np.asarray(ref[4]), ((0, 0), (0, vp - shard)))
-    mo, so = oracle.split_partials(oracle.ftz(lg), v, vp, inv_t)
-    assert_bitwise_equal(np.asarray(ref[0]), mo[:, :4], "m vs oracle")
-    assert_bitwise_equal(np.asarray(ref[1]), so[:, :4], "s vs oracle")
-    trainer = run(ov, False)
-    for k, name in enumerate(("m", "s", "z_t")):
-        assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
-
-
 # --- sm90_forward_ws: dedicated epilogue warpgroup (the prefill bucket) ---------------------
 
 
