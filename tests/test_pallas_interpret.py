@@ -216,12 +216,18 @@ def test_unpadded_weight_and_tp_shards():
 
 
 @pytest.mark.slow
-def test_multi_tile_splits_and_groups(monkeypatch):
-    """264 splits of 1-2 tiles; w forced to 1 so a split spans 2 tile groups (chain across groups)."""
+@pytest.mark.parametrize("bucket,races", [("small", True), ("decode", False)])
+def test_multi_tile_splits_and_groups(monkeypatch, bucket, races):
+    """264 splits of 1-2 tiles; w forced to 1 so a split spans 2 tile groups (chain across groups).
+
+    `small` runs the chain in the wgmma warpgroups, `decode` in an epilogue warpgroup
+    (sm90_forward_ws). The latter without race detection: with it this case takes more
+    than 400 s in the interpreter; the ws kernel's races are checked on a smaller case
+    (test_ws_kernel_bit_identical_with_race_detection)."""
     n, d, v, vp = 3, 192, 17300, 17408
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=3)
     monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: 1)
-    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, return_logits=True, bucket="decode", num_ctas=1)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=races, return_logits=True, bucket=bucket, num_ctas=1)
     _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
 
 
