@@ -30,6 +30,12 @@ Nothing here changes a bit: the accumulator a tile's chain reads is the same
 wgmma sequence, and the chain is the same operations in the same order; only
 which warpgroup runs it, and when, differs.
 
+`cfg.cluster` = 2 (off in every bucket: slower on the H200, see tuning.py) launches
+2-CTA clusters: the two CTAs take adjacent row blocks of the same split, both issue
+each weight K slice's copy with `collective_axes="cluster"` (each loads half the rows
+and multicasts them), and `empty` becomes a cluster barrier (a slot is free once the
+wgmma warpgroups of both CTAs released it). The wgmmas read the same bytes.
+
 Shared memory: stages * (rows + 64 w) * 2 * tile_k bytes for the ring plus
 num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
 2 x 64 rows, tile_k = 64: 3 stages = 120 KiB + 96 KiB).

@@ -28,7 +28,8 @@ is how the fixed work is laid onto the GPU:
   blocks of the same split at once; each CTA loads half of every weight K
   slice and multicasts it to both (TMA `.multicast::cluster`), so the weight
   bytes read from L2 per CTA halve. The data each wgmma reads is the same,
-  only how it reaches shared memory differs,
+  only how it reaches shared memory differs (H200: same bytes but slower,
+  M=4096 8.49 vs 8.10 ms; benchmarks/results/h200_2026-11-30d/probe_cluster.jsonl),
 
 selected by an M bucket (`decode`, `small`, `prefill`). `tiles_per_group`
 (the wgmma N width in 64-column tiles) is derived from the split geometry

@@ -141,6 +141,32 @@ def test_buckets():
         assert cfg.block_m in (64, 128) and cfg.num_compute_wgs in (1, 2)
 
 
+def test_cluster_rows_and_ctas():
+    """A 2-CTA cluster pads rows to two row blocks and launches an even CTA count."""
+    import dataclasses
+
+    c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
+    assert c2.row_quantum == 256 and tuning.BUCKETS["prefill"].row_quantum == 128
+    assert tuning.padded_rows(640, tuning.BUCKETS["prefill"]) == 640  # 5 row blocks
+    assert tuning.padded_rows(640, c2) == 768  # 6: the pair of the fifth block is padding
+    assert tuning.padded_rows(0, c2) == 256
+    assert tuning.persistent_ctas(768, 264, c2, 132) == 132
+    assert tuning.persistent_ctas(256, 1, c2, 132) == 2  # one pair of row blocks, one split
+    assert tuning.persistent_ctas(4096, 264, c2, 131) == 130  # a whole number of clusters
+    assert tuning.persistent_ctas(128, 1, tuning.BUCKETS["prefill"], 132) == 1
+
+
+def test_cluster_refused_in_interpret_mode():
+    import dataclasses
+
+    c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
+    h = jnp.zeros((4, 128), jnp.bfloat16)
+    w = jnp.zeros((64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multicast"):
+        pk.partials(h, w, None, jnp.zeros((4,), jnp.int32), jnp.ones((4,), jnp.float32), vocab_size=64,
+                    padded_vocab_size=64, bucket=c2, interpret=True)
+
+
 def test_supports_and_input_errors():
     h = jnp.zeros((4, 128), jnp.bfloat16)
     w = jnp.zeros((64, 128), jnp.bfloat16)
@@ -178,6 +204,13 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None):
 def test_forward_lowers_for_cuda(bucket):
     _lower(70, 192, 1000, 1024, bucket, bias=True, logits=True)
     _lower(70, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512)
+
+
+def test_cluster_forward_lowers_for_cuda():
+    import dataclasses
+
+    c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
+    _lower(300, 192, 1000, 1024, c2, bias=True, logits=True)
 
 
 @pytest.mark.parametrize("n,n_split,knobs", [
