@@ -33,7 +33,7 @@ consumer warpgroup (its own block_m rows) issues wgmma into its accumulator
 group's w tiles in ascending order and zeroes the accumulator. The chain state
 (m, S, z_t) is the pipeline carry (registers).
 
-`LaunchConfig.epilogue_wgs > 0` (the prefill bucket) builds
+`LaunchConfig.epilogue_wgs > 0` (the decode and prefill buckets) builds
 `sm90_forward_ws.build` instead: the same work items and bits, with the chain in
 a dedicated epilogue warpgroup fed through shared memory.
 """
