@@ -76,7 +76,7 @@ def _kernel_fn(m, cfg, *, return_logits=False, diag=()):
   """Jitted kernel-only call on pre-padded operands (as `partials` builds them)."""
   geom = sm90_forward.shard_geometry(V_REAL, V_ROWS)
   n_pad = tuning.padded_rows(m, cfg)
-  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms())
+  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms() * cfg.ctas_per_sm)
   lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
 
   def prep(h, t):
@@ -212,8 +212,14 @@ CHAIN_IN_WGMMA = dataclasses.replace(tuning.BUCKETS["prefill"], name="prefill-ch
                                      max_concurrent_steps=5)
 
 
+# The decode configuration before the epilogue warpgroup (fourth session): chain in the one
+# wgmma warpgroup, 6 stages.
+DECODE_CHAIN_IN_WGMMA = dataclasses.replace(tuning.BUCKETS["decode"], name="decode-chain", epilogue_wgs=0,
+                                            max_concurrent_steps=6)
+
+
 def _v(base, name, **kw):
-  cfg = CHAIN_IN_WGMMA if base == "prefill_chain" else tuning.BUCKETS[base]
+  cfg = {"prefill_chain": CHAIN_IN_WGMMA, "decode_chain": DECODE_CHAIN_IN_WGMMA}.get(base) or tuning.BUCKETS[base]
   return dataclasses.replace(cfg, name=name, **kw)
 
 
@@ -241,9 +247,10 @@ def main(argv):
   if "decode" in groups:
     for m in (1, 64):
       p.kernel("decode", "decode", m, tuning.BUCKETS["decode"])
-      p.kernel("decode", "decode+delay", m, _v("decode", "d1", delay_release=1))
-      p.kernel("decode", "decode+st8", m, _v("decode", "d2", max_concurrent_steps=8))
-      p.kernel("decode", "decode+delay+st8", m, _v("decode", "d3", delay_release=1, max_concurrent_steps=8))
+      # The chain-in-wgmma decode kernel (the decode bucket before the fourth session) and its knobs.
+      p.kernel("decode", "decode chain-in-wgmma", m, _v("decode_chain", "d0"))
+      p.kernel("decode", "decode chain-in-wgmma+delay", m, _v("decode_chain", "d1", delay_release=1))
+      p.kernel("decode", "decode chain-in-wgmma+st8", m, _v("decode_chain", "d2", max_concurrent_steps=8))
       p.kernel("decode", "decode-skip-epi", m, tuning.BUCKETS["decode"], diag=("skip_epilogue",))
 
   if "fold" in groups:
@@ -438,15 +445,17 @@ def main(argv):
   if "decode_ws" in groups:
     # The epilogue-warpgroup kernel for the decode and small buckets: the chain runs beside
     # the weight stream instead of between tile groups of the one wgmma warpgroup.
+    # (Run at 4407823, when the decode bucket was still the chain-in-wgmma config that
+    # DECODE_CHAIN_IN_WGMMA keeps; since then "ws decode st5" is the decode bucket.)
     for m in (1, 8, 64):
-      p.kernel("decode_ws", "decode", m, tuning.BUCKETS["decode"])
+      p.kernel("decode_ws", "decode", m, DECODE_CHAIN_IN_WGMMA)
       for st in (4, 5):
         p.kernel("decode_ws", f"ws decode st{st}", m, _v("decode", f"wsd{st}", epilogue_wgs=1, max_concurrent_steps=st))
     for m in (128, 256, 512):
       p.kernel("decode_ws", "small", m, tuning.BUCKETS["small"])
       p.kernel("decode_ws", "ws small st3", m, _v("small", "wss3", epilogue_wgs=1, max_concurrent_steps=3))
     m = 64
-    p.kernel("decode_ws", "decode serving", m, tuning.BUCKETS["decode"], return_logits=True)
+    p.kernel("decode_ws", "decode serving", m, DECODE_CHAIN_IN_WGMMA, return_logits=True)
     p.kernel("decode_ws", "ws decode st5 serving", m, _v("decode", "wsd5", epilogue_wgs=1, max_concurrent_steps=5),
              return_logits=True)
     # Is a pipeline without a live accumulator dead code? The 3-stage chain-in-wgmma pipeline

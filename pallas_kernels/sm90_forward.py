@@ -254,8 +254,9 @@ def build_forward(
   masks on every tile instead of only on tiles that reach past the limit;
   "acc_max_only" reads the accumulator and takes one row max instead of the
   chain; "wg0_only" runs the chain in consumer warpgroup 0 only; "one_tile"
-  runs it on the first tile of each group only; "pad_smem96" allocates 96 KiB of unused shared memory (does the pipeline
-  slow down with the shared-memory footprint alone?).
+  runs it on the first tile of each group only; "pad_smem96" allocates 96
+  KiB of unused shared memory (does the pipeline slow down with the
+  shared-memory footprint alone?).
   """
   if cfg.epilogue_wgs:
     from pallas_kernels import sm90_forward_ws  # Lazy: it imports this module.
@@ -592,10 +593,9 @@ def partials(
     weight = _pad_rows(weight, v_rows8)  # (bias is padded to the full width below)
   cfg = tuning.select_bucket(n, bucket)
   n_pad = tuning.padded_rows(n, cfg)
-  num_sms = 2 if interpret else tuning.default_num_sms()
-  if num_ctas is not None:
-    num_sms, cfg = int(num_ctas), dataclasses.replace(cfg, ctas_per_sm=1)
-  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, num_sms)
+  if num_ctas is None:
+    num_ctas = 2 if interpret else tuning.default_num_sms() * cfg.ctas_per_sm
+  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, int(num_ctas))
   local_tiles = -(-geom.shard_cols // TILE)
   args = [_pad_rows(hidden, n_pad), weight]
   if bias is not None:

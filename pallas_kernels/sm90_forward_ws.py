@@ -119,6 +119,8 @@ def build(
   per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
   reg_producer, reg_mma, reg_epi = register_split(cfg)
   cta_rows = cfg.cta_rows
+  if cfg.delay_release:
+    raise ValueError("delay_release is a knob of the chain-in-wgmma kernel (epilogue_wgs=0) only")
   cl = cfg.cluster
   if cl not in (1, 2):
     raise ValueError(f"cluster must be 1 or 2, got {cl}")

@@ -13,7 +13,8 @@ is how the fixed work is laid onto the GPU:
   handed out round-robin; each work item is computed by exactly one CTA),
 * `delay_release`: 1 keeps one wgmma group in flight per consumer warpgroup
   (`wgmma_wait(1)`, the pipeline slot is released one step later); the
-  instruction sequence per accumulator is unchanged,
+  instruction sequence per accumulator is unchanged (chain-in-wgmma kernel
+  only: `sm90_forward_ws` refuses it),
 * `split_group`: the order of work items (0: row blocks fastest over all
   splits; G > 0: groups of G splits, the split fastest inside a group, so the
   CTAs running at once share both operands in L2),
@@ -83,10 +84,11 @@ def padded_rows(n_rows: int, cfg: LaunchConfig) -> int:
   return max(-(-n_rows // q), 1) * q
 
 
-def persistent_ctas(n_pad: int, n_local: int, cfg: LaunchConfig, num_sms: int) -> int:
-  """Persistent CTA count: one per work item up to SMs * ctas_per_sm, a multiple of the cluster."""
+def persistent_ctas(n_pad: int, n_local: int, cfg: LaunchConfig, max_ctas: int) -> int:
+  """Persistent CTA count: one per work item, at most max_ctas (e.g. SMs * ctas_per_sm),
+  rounded down to whole clusters (at least one)."""
   work = (n_pad // cfg.cta_rows) * n_local
-  return max(cfg.cluster, min(num_sms * cfg.ctas_per_sm, work) // cfg.cluster * cfg.cluster)
+  return max(cfg.cluster, min(max_ctas, work) // cfg.cluster * cfg.cluster)
 
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).

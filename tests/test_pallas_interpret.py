@@ -241,9 +241,12 @@ def test_launch_knobs_are_bit_neutral():
     ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
     _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
     variants = [
-        dataclasses.replace(tuning.BUCKETS["prefill"], name="x1", delay_release=1, split_group=3, logits_slots=2),
-        dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2, logits_slots=3),
-        dataclasses.replace(tuning.BUCKETS["decode"], name="x3", delay_release=1, logits_slots=1),
+        # chain-in-wgmma kernel (the small bucket's): delay_release, work order, staging slots
+        dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3, logits_slots=2),
+        dataclasses.replace(tuning.BUCKETS["small"], name="x3", block_m=64, num_compute_wgs=1, delay_release=1,
+                            logits_slots=1),
+        # sm90_forward_ws: work order
+        dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2),
     ]
     for cfg in variants:
         out, logp, lse = _run(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3, return_logits=True)

@@ -156,6 +156,17 @@ def test_cluster_rows_and_ctas():
     assert tuning.persistent_ctas(128, 1, tuning.BUCKETS["prefill"], 132) == 1
 
 
+def test_ws_kernel_refuses_delay_release():
+    import dataclasses
+
+    cfg = dataclasses.replace(tuning.BUCKETS["decode"], name="d", delay_release=1)
+    h = jnp.zeros((4, 128), jnp.bfloat16)
+    w = jnp.zeros((64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="delay_release"):
+        pk.partials(h, w, None, jnp.zeros((4,), jnp.int32), jnp.ones((4,), jnp.float32), vocab_size=64,
+                    padded_vocab_size=64, bucket=cfg, interpret=True)
+
+
 def test_cluster_refused_in_interpret_mode():
     import dataclasses
 
