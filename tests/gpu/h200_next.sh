@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fourth session's first device call (nvidia-h200, ~8 min): (1) TMA multicast of the
+# The fourth session's first device call (nvidia-h200, ~3 min): (1) TMA multicast of the
 # weight over 2-CTA clusters (probe group `cluster`: time and bytes vs the shipped prefill
 # config); (2) does the forward pipeline's speed follow its shared-memory footprint?
 # (group `smem`); (3) where a decode call's time goes beyond the forward kernel
