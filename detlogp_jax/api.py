@@ -193,21 +193,12 @@ def _core_bwd(cfg, res, cts):
     g_logp, g_lse, g_logits = cts
     dh, dw, db = grad_lib.backward(
         hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, vocab_size=cfg.vocab_size,
-        dz_kernel=_dz_kernel(cfg.backend),
+        dz=backends.get(cfg.backend).dz,
     )
     return dh, dw, db, None, jnp.zeros_like(inv_t)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
-
-
-def _dz_kernel(backend: str):
-    """The fused recompute + dz kernel of a backend's backward, or None (XLA forms dz)."""
-    if backend != "pallas_sm90":
-        return None
-    from pallas_kernels import sm90_backward
-
-    return sm90_backward.dz_chunk
 
 
 @functools.partial(jax.jit, static_argnums=(5,))

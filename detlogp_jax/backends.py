@@ -5,6 +5,14 @@ its own FP32 logits (`reference`, `pallas_sm90`). `xla` (materialized logits +
 log_softmax) is the non-contract baseline lane. In strict mode only
 contract-bearing backends may serve, and any fallback away from the requested
 (or, for `auto`, the platform's preferred) backend raises `StrictModeError`.
+
+The op core never imports a backend package. A backend outside the core is a
+plugin: a `module:attribute` spec naming a function that returns its
+`Backend` entry. Specs come from the `detlogp_jax.backends` entry-point group
+of installed distributions (this project declares `pallas_sm90` in its
+pyproject) and, for a source checkout that is not installed, from
+`BUILTIN_PLUGINS`. A plugin is imported on first use; if the import fails the
+backend is registered as unavailable with the import error as its reason.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import importlib
+import importlib.metadata
 import os
 import warnings
 from typing import Any, Callable
@@ -31,13 +40,30 @@ class BackendUnavailableError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class DzKernel:
+    """A backend's fused recompute + dz kernel for the chunked backward (`detlogp_jax.grad`).
+
+    fn(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi) -> dz [n_pad, chunk]
+    in the model dtype, where dz = c1 * p + c2 * onehot on columns [lo, hi) of the
+    chunk and 0 elsewhere (p = exp(z * inv_t - lse), z recomputed from hidden_p and
+    w_c); hidden_p and the row vectors are padded to a multiple of `row_multiple`
+    rows. `supports(hidden, weight, chunk)` says whether it takes these operands.
+    """
+
+    fn: Callable
+    supports: Callable[[Any, Any, int], bool]
+    row_multiple: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
-    """One registered backend.
+    """One registered backend: all that the op core needs from it.
 
     Contract-bearing backends provide `partials` and `fold` (see
     `detlogp_jax.reference` for the signatures); others provide `forward`
     (hidden, weight, bias, targets, inv_t, vocab_size, return_logits) ->
-    (logp, lse, logits).
+    (logp, lse, logits). `dz`: an optional fused backward kernel (else XLA
+    forms dz). `unavailable_reason()`: why `available()` is False here.
     """
 
     name: str
@@ -47,8 +73,10 @@ class Backend:
     partials: Callable | None = None
     fold: Callable | None = None
     forward: Callable | None = None
+    dz: DzKernel | None = None
     description: str = ""
     knobs: frozenset = frozenset()  # the bit-neutral tuning knobs it applies
+    unavailable_reason: Callable[[], str] = lambda: "not available on this machine"
 
     def tuning_kwargs(self, tuning) -> dict:
         """The subset of bit-neutral `tuning` items this backend applies."""
@@ -133,7 +161,7 @@ def resolve(requested: str, hidden, weight) -> tuple[Backend, bool]:
         )
     reason = None
     if not backend.available():
-        reason = f"backend {target!r} is not available on this machine"
+        reason = f"backend {target!r} is not available on this machine: {backend.unavailable_reason()}"
     else:
         ok, why = backend.supports(hidden, weight)
         if not ok:
@@ -180,37 +208,50 @@ def _xla() -> Backend:
     )
 
 
-def _pallas_sm90() -> Backend:
-    mod = importlib.import_module("pallas_kernels")
-    return Backend(
-        name="pallas_sm90",
-        contract_bearing=True,
-        available=mod.is_available,
-        supports=mod.supports,
-        partials=mod.partials,
-        fold=mod.fold,
-        description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
-        knobs=frozenset({"bucket", "num_ctas"}),
-    )
+# Plugins of this repository, for a checkout that is not installed (an installed
+# distribution declares the same specs as entry points).
+BUILTIN_PLUGINS: dict[str, str] = {"pallas_sm90": "pallas_kernels.backend:backend_entry"}
+ENTRY_POINT_GROUP = "detlogp_jax.backends"
 
 
-def _safe_pallas() -> Backend:
+def plugin_specs() -> dict[str, str]:
+    """name -> "module:attribute" of every backend plugin known here."""
+    specs = dict(BUILTIN_PLUGINS)
     try:
-        return _pallas_sm90()
-    except Exception as e:  # not importable here: register as unavailable
-        err = f"{type(e).__name__}: {e}"
-        return Backend(
-            name="pallas_sm90",
-            contract_bearing=True,
-            available=lambda: False,
-            supports=lambda h, w: (False, err),
-            description=f"unavailable ({err})",
-        )
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            specs[ep.name] = ep.value
+    except Exception:  # pragma: no cover - broken metadata: keep the built-in specs
+        pass
+    return specs
+
+
+def _plugin_loader(name: str, spec: str) -> Callable[[], Backend]:
+    def load() -> Backend:
+        module, _, attr = spec.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), attr)
+            backend = entry() if callable(entry) else entry
+        except Exception as e:  # not importable here: register as unavailable
+            err = f"{type(e).__name__}: {e}"
+            return Backend(
+                name=name,
+                contract_bearing=True,
+                available=lambda: False,
+                supports=lambda h, w: (False, err),
+                description=f"unavailable ({err})",
+                unavailable_reason=lambda: f"its plugin {spec} does not import: {err}",
+            )
+        if not isinstance(backend, Backend) or backend.name != name:
+            raise TypeError(f"backend plugin {spec} must return a Backend named {name!r}, got {backend!r}")
+        return backend
+
+    return load
 
 
 register("reference", _reference)
 register("xla", _xla)
-register("pallas_sm90", _safe_pallas)
+for _name, _spec in plugin_specs().items():
+    register(_name, _plugin_loader(_name, _spec))
 
 
 def platform_info() -> dict[str, Any]:

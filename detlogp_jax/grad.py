@@ -5,8 +5,8 @@ p = exp(z * inv_t - lse), and
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) + g_logits,
 then dh += dz @ W_c, dW_c = dz.T @ h, db_c = sum_rows dz. Chunks are visited in
 ascending order with a fixed shape, so two runs give identical bytes; the
-backward is deterministic but not part of the frozen contract. With
-`dz_kernel` (the pallas_sm90 backend passes `pallas_kernels.sm90_backward.dz_chunk`)
+backward is deterministic but not part of the frozen contract. With a
+backend's `dz` kernel (`backends.DzKernel`; the pallas_sm90 backend has one)
 the recompute GEMM and the dz formula run in one Pallas kernel that writes dz
 as bf16, so the chunk's FP32 logits never reach device memory; otherwise XLA
 forms them. For bf16/f16 weights the dW GEMM writes the weight dtype directly
@@ -39,12 +39,12 @@ def _chunking(v_rows: int, chunk: int):
 
 
 def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, *, vocab_size: int,
-             chunk: int = DEFAULT_CHUNK, dz_kernel=None):
+             chunk: int = DEFAULT_CHUNK, dz=None):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
-    dz_kernel: optional fused recompute + dz kernel with the signature of
-    `pallas_kernels.sm90_backward.dz_chunk` (used only without a logits
-    cotangent and when it supports the operands and the chunk length).
+    dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
+    (used only without a logits cotangent and when it supports the operands and
+    the chunk length).
     """
     v_rows = weight.shape[0]
     chunk, n_chunks = _chunking(v_rows, chunk)
@@ -52,9 +52,9 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
     g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)  # dead rows get no logp gradient
     g_lse = g_lse.astype(jnp.float32)
     inv_t = inv_t.astype(jnp.float32)
-    if dz_kernel is not None and g_logits is None and _kernel_ok(hidden, weight, chunk):
+    if dz is not None and g_logits is None and dz.supports(hidden, weight, chunk):
         return _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
-                                  vocab_size=vocab_size, chunk=chunk, n_chunks=n_chunks, dz_kernel=dz_kernel)
+                                  vocab_size=vocab_size, chunk=chunk, n_chunks=n_chunks, dz=dz)
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
     # f32 models keep f32 GEMMs; bf16/f16 models run the two gradient GEMMs on
     # dz rounded to their dtype with f32 accumulation (the usual mixed precision).
@@ -120,26 +120,15 @@ def _update_dw(dw, dz, hidden, start, fresh_rows, prec):
     return lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh_rows[:, None], dw_c, prev), start, axis=0)
 
 
-def _kernel_ok(hidden, weight, chunk):
-    try:
-        from pallas_kernels import sm90_backward
-    except Exception:  # pragma: no cover - Pallas GPU unavailable
-        return False
-    return hidden.dtype == jnp.bfloat16 and sm90_backward.supported(hidden, weight, chunk)
-
-
-def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, *, vocab_size, chunk, n_chunks,
-                       dz_kernel):
-    """The chunked backward with dz formed by `dz_kernel` (bf16 models, no logits cotangent).
+def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, *, vocab_size, chunk, n_chunks, dz):
+    """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
     g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32.
 
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) = c1 * p + c2 * onehot
     with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row.
     """
-    from pallas_kernels import sm90_backward
-
     n = hidden.shape[0]
-    n_pad = -(-n // sm90_backward.ROWS_PER_CTA) * sm90_backward.ROWS_PER_CTA
+    n_pad = -(-n // dz.row_multiple) * dz.row_multiple
     pad = n_pad - n
     c1 = inv_t * (g_lse - g_logp)
     c2 = inv_t * g_logp
@@ -155,7 +144,7 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
 
     def dz_of(i, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
-        return dz_kernel(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
+        return dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
 
     dh, dw, db = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None)
     return dh[:n].astype(hidden.dtype), dw, db

@@ -6,12 +6,14 @@ the XLA-formed backward (within bf16 rounding) and that two runs give identical
 bytes. The GPU run of the same checks is tests/gpu/test_grad_gpu.py.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detlogp_jax import grad
+from detlogp_jax import backends, grad
 from tests.conftest import assert_bitwise_equal
 
 pk = pytest.importorskip("pallas_kernels.sm90_backward")
@@ -74,14 +76,19 @@ def test_backward_with_fused_dz_matches_xla_backward_and_is_deterministic():
         return pk.dz_chunk(*a, interpret=True)
 
     with row_invariant_wgmma():
-        got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=kern)
-        again = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=kern)
+        got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=_with_fn(kern))
+        again = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=_with_fn(kern))
     assert calls, "the fused-dz path was not taken"
     for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
         assert _rel(g, e) < 1e-2, (name, _rel(g, e))
     assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0  # padding rows get nothing
     for g, g2 in zip(got, again):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
+
+
+def _with_fn(fn):
+    """The pallas_sm90 backend's dz entry (operand predicate, row multiple) with another kernel function."""
+    return dataclasses.replace(backends.get("pallas_sm90").dz, fn=fn)
 
 
 def _reference_dz_kernel(calls):
@@ -122,7 +129,7 @@ def test_fused_path_padding_rows_get_no_gradient_with_a_large_bias():
             jnp.asarray(rng.standard_normal(n), jnp.float32), None)
     want = grad.backward(*args, vocab_size=vocab, chunk=chunk)
     calls = []
-    got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz_kernel=_reference_dz_kernel(calls))
+    got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=_with_fn(_reference_dz_kernel(calls)))
     assert calls and calls[0] == (pk.ROWS_PER_CTA, d)  # the fused path ran, on padded rows
     for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
         assert np.isfinite(np.asarray(g, np.float32)).all(), name

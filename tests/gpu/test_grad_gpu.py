@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import detlogp_jax as dl
-from detlogp_jax import api, grad
+from detlogp_jax import api, backends, grad
 from tests.conftest import assert_bitwise_equal
 from tests.test_api_guards import _f64_loss_grads
 
@@ -70,7 +70,7 @@ def test_fused_dz_equals_xla_formed_dz_within_bf16():
     out = dl.linear_logp(hb, wb, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad,
                          backend="pallas_sm90")
     args = (hb, wb, jnp.asarray(b), jnp.asarray(t), inv_t, out.lse, jnp.asarray(g_lp), jnp.asarray(g_lse), None)
-    fused = grad.backward(*args, vocab_size=vocab, dz_kernel=api._dz_kernel("pallas_sm90"))
+    fused = grad.backward(*args, vocab_size=vocab, dz=backends.get("pallas_sm90").dz)
     plain = grad.backward(*args, vocab_size=vocab)
     for g, e, name in zip(fused, plain, ("hidden", "weight", "bias")):
         assert _rel(g, e) < 1e-2, (name, _rel(g, e))

@@ -1,0 +1,30 @@
+"""The `pallas_sm90` registry entry: everything the op core needs from this package."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from detlogp_jax.backends import Backend, DzKernel
+
+
+def backend_entry() -> Backend:
+  """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
+  import pallas_kernels as pk
+  from pallas_kernels import sm90_backward
+
+  return Backend(
+      name="pallas_sm90",
+      contract_bearing=True,
+      available=pk.is_available,
+      supports=pk.supports,
+      partials=pk.partials,
+      fold=pk.fold,
+      dz=DzKernel(
+          fn=sm90_backward.dz_chunk,
+          supports=lambda h, w, chunk: h.dtype == jnp.bfloat16 and sm90_backward.supported(h, w, chunk),
+          row_multiple=sm90_backward.ROWS_PER_CTA,
+      ),
+      description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
+      knobs=frozenset({"bucket", "num_ctas"}),
+      unavailable_reason=pk.unavailable_reason,
+  )
