@@ -11,7 +11,23 @@ from detlogp_jax.contract import CONTRACT_ID, CONTRACT_VERSION, ContractError, c
 
 __version__ = "0.1.0"
 
+# Documented submodules, reachable as attributes (`detlogp_jax.flax.LogpHead`)
+# without importing them here: each is imported on first access.
+_LAZY_SUBMODULES = frozenset({
+    "api", "backends", "contract", "fingerprint", "flax", "grad", "inputs", "integrations", "numerics",
+    "oracle", "reference", "sampling",
+})
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"detlogp_jax.{name}")
+    raise AttributeError(f"module 'detlogp_jax' has no attribute {name!r}")
+
 __all__ = [
+    "__version__",
     "CONTRACT_ID",
     "CONTRACT_VERSION",
     "ContractError",

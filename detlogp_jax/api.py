@@ -12,23 +12,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
-import os
 from typing import NamedTuple
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 
 from detlogp_jax import backends
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
-from detlogp_jax import numerics
-
-_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
+from detlogp_jax import inputs
+from detlogp_jax.inputs import last_provenance
 
 class LogpOutput(NamedTuple):
     """logp [...] f32, lse [...] f32 (of logits / T), logits [..., vocab_size] f32 or None."""
@@ -45,118 +40,6 @@ class _Config:
     padded_vocab_size: int
     return_logits: bool
     tuning: tuple = ()
-
-
-_LAST_PROVENANCE: list[C.Provenance] = []
-
-
-def last_provenance() -> C.Provenance | None:
-    """Provenance of the most recent `linear_logp` call (recorded at trace time)."""
-    return _LAST_PROVENANCE[-1] if _LAST_PROVENANCE else None
-
-
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size):
-    if not hasattr(hidden, "shape") or not hasattr(weight, "shape") or not hasattr(targets, "shape"):
-        raise TypeError("hidden, weight and targets must be arrays")
-    if hidden.ndim < 1:
-        raise ValueError(f"hidden must have shape [..., D], got {hidden.shape}")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must have shape [V, D] (lm_head layout), got {weight.shape}")
-    d = hidden.shape[-1]
-    if d < 1:
-        raise ValueError("hidden size D must be >= 1")
-    if weight.shape[1] != d:
-        raise ValueError(f"D mismatch: hidden [..., {d}] vs weight [V, {weight.shape[1]}] (expected lm_head [V, D])")
-    if weight.shape[0] < 1:
-        raise ValueError("weight must have at least one row")
-    if jnp.dtype(hidden.dtype) not in _FLOAT_DTYPES or jnp.dtype(weight.dtype) not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden/weight must be bfloat16, float16 or float32, got {hidden.dtype}/{weight.dtype}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
-    if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {hidden.shape[:-1]}")
-    v_rows = weight.shape[0]
-    vocab, padded = _vocab_sizes(v_rows, vocab_size, padded_vocab_size)
-    if bias is not None:
-        if not hasattr(bias, "shape") or tuple(bias.shape) != (v_rows,):
-            raise ValueError(f"bias must have shape ({v_rows},) like the weight's rows, got {getattr(bias, 'shape', bias)}")
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"bias must be floating point, got {bias.dtype}")
-    _validate_temperature(temperature, targets.shape)
-    return vocab, padded
-
-
-def _vocab_sizes(v_rows: int, vocab_size, padded_vocab_size) -> tuple[int, int]:
-    """(vocab_size, padded_vocab_size) with their defaults (the weight's rows), validated."""
-    vocab = v_rows if vocab_size is None else vocab_size
-    padded = v_rows if padded_vocab_size is None else padded_vocab_size
-    for name, value in (("vocab_size", vocab), ("padded_vocab_size", padded)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(f"{name} must be a static int, got {type(value).__name__}")
-    vocab, padded = int(vocab), int(padded)
-    if not 1 <= vocab <= v_rows:
-        raise ValueError(f"vocab_size must be in [1, weight rows = {v_rows}], got {vocab}")
-    if padded < v_rows:
-        raise ValueError(f"padded_vocab_size {padded} is smaller than the weight's {v_rows} rows")
-    return vocab, padded
-
-
-def _validate_temperature(temperature, row_shape):
-    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        if not math.isfinite(temperature) or temperature <= 0:
-            raise ValueError(f"temperature must be a finite positive number, got {temperature}")
-        return
-    if not hasattr(temperature, "shape"):
-        raise TypeError(f"temperature must be a positive scalar or an array of one value per row, got {temperature!r}")
-    if tuple(temperature.shape) not in ((), tuple(row_shape)):
-        raise ValueError(f"temperature must be a scalar or have the targets' shape {tuple(row_shape)}, got {temperature.shape}")
-    if not jnp.issubdtype(temperature.dtype, jnp.floating):
-        raise TypeError(f"temperature must be floating point, got {temperature.dtype}")
-    if _is_concrete(temperature):
-        t = np.asarray(temperature, np.float64)
-        if not np.all(np.isfinite(t) & (t > 0)):
-            raise ValueError("temperature must be finite and > 0 in every row")
-
-
-def _checked(checked: bool | None) -> bool:
-    """Checked mode: the argument, else DETLOGP_CHECKED."""
-    if checked is None:
-        return os.environ.get("DETLOGP_CHECKED", "0").strip().lower() in ("1", "true", "yes", "on")
-    return bool(checked)
-
-
-def _tuning_key(tuning) -> tuple:
-    """Bit-neutral tuning knobs as a hashable, order-free static key."""
-    return tuple(sorted((tuning or {}).items()))
-
-
-def _check_targets(targets, vocab_size: int) -> None:
-    """Checked mode: raise on out-of-range targets (eagerly, or at run time under jit)."""
-
-    def check(t):
-        t = np.asarray(t)
-        bad = C.bad_target(t, vocab_size)
-        if bad.any():
-            idx = np.argwhere(bad)[0].tolist()
-            raise ValueError(f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}")
-
-    if _is_concrete(targets):
-        check(targets)
-    else:
-        jax.debug.callback(check, targets)
-
-
-def _inv_t(temperature, n_rows):
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1), (n_rows,))  # scalar or per row
-    inv = numerics.inv_temperature(t, n_rows)
-    # A traced non-positive temperature makes only its own row NaN.
-    return jnp.where((t > 0) & jnp.isfinite(t), inv, jnp.nan)
 
 
 def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
@@ -255,22 +138,22 @@ def linear_logp(
     C.check_no_overrides(tuning)
     # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
     targets = np.asarray(targets) if isinstance(targets, (list, tuple)) else targets
-    vocab, padded = _validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
+    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
     lead = hidden.shape[:-1]
     n = math.prod(lead)
-    if _checked(checked):
-        _check_targets(targets, vocab)
+    if inputs.checked_mode(checked):
+        inputs.check_targets(targets, vocab)
 
     be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
-    _LAST_PROVENANCE[:] = [_provenance(be, fallback, vocab, padded, backend)]
-    cfg = _Config(be.name, vocab, padded, bool(return_logits), _tuning_key(tuning))
+    inputs.record_provenance(be, fallback, vocab, padded, backend)
+    cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning))
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)
     if not hasattr(temperature, "shape"):
         temperature = jnp.asarray(temperature, jnp.float32)  # a runtime value: no retrace per T
     pad = 0
-    if be.name == "reference" and _is_concrete(hidden):
+    if be.name == "reference" and inputs.is_concrete(hidden):
         pad = _row_bucket(n) - n
     h2, t2, inv_t = _prepare(hidden, targets, temperature, pad)
     impl = _impl if be.contract_bearing else _impl_autodiff
@@ -284,7 +167,7 @@ def _prepare(hidden, targets, temperature, pad: int):
     n = math.prod(hidden.shape[:-1])
     h2 = hidden.reshape(n, hidden.shape[-1])
     t2 = targets.reshape(n).astype(jnp.int32)
-    inv_t = _inv_t(temperature, n)
+    inv_t = inputs.inv_temperature(temperature, n)
     if pad:
         h2 = jnp.pad(h2, ((0, pad), (0, 0)))
         t2 = jnp.pad(t2, (0, pad), constant_values=C.IGNORE_INDEX)
@@ -299,28 +182,9 @@ def _finish(logp, lse, logits, lead):
     return logp[:n].reshape(lead), lse[:n].reshape(lead), out_logits
 
 
-def _provenance(be, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
-    info = backends.platform_info()
-    return C.Provenance(
-        contract_id=C.CONTRACT_ID if be.contract_bearing else "none (non-contract lane)",
-        backend=be.name,
-        contract_bearing=be.contract_bearing,
-        platform=info["platform"],
-        device_kind=info["device_kind"],
-        compute_capability=info["compute_capability"],
-        jax_version=jax.__version__,
-        jaxlib_version=jaxlib.__version__,
-        vocab_size=vocab,
-        padded_vocab_size=padded,
-        n_split=C.n_split(padded),
-        requested_backend=requested,
-        fallback=fallback,
-    )
-
-
 def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto") -> C.Provenance:
     """The provenance record a call with these arguments would get (no compute)."""
     h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
     be, fallback = backends.resolve(backend, h2, weight)
-    vocab, padded = _vocab_sizes(weight.shape[0], vocab_size, padded_vocab_size)
-    return _provenance(be, fallback, vocab, padded, backend)
+    vocab, padded = inputs.vocab_sizes(weight.shape[0], vocab_size, padded_vocab_size)
+    return inputs.make_provenance(be, fallback, vocab, padded, backend)

@@ -41,10 +41,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from detlogp_jax import api as _api
 from detlogp_jax import backends
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
+from detlogp_jax import inputs
 from detlogp_jax.api import LogpOutput
 
 __all__ = [
@@ -197,7 +197,7 @@ def tp_partials_and_fold(
     hidden [N, D] (this rank's rows, replicated over `axis_name`),
     weight_shard [V_pad/tp, D] (global rows [col_offset, col_offset + V_pad/tp)),
     bias_shard [V_pad/tp] or None, targets [N] int32 global ids, inv_t [N] f32
-    (= fl(1/T), e.g. `detlogp_jax.api._inv_t`). col_offset: None (derived from
+    (= fl(1/T), e.g. `detlogp_jax.inputs.inv_temperature`). col_offset: None (derived from
     `lax.axis_index(axis_name)`), a traced int scalar, or a static int (only
     meaningful where the program is not shared by several TP ranks, e.g. TP=1).
     Returns (logp [N], lse [N], logits [N, V_pad/tp] | None); logp/lse are
@@ -335,7 +335,7 @@ def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_
         padded_vocab_size=int(padded_vocab_size),
         return_logits=bool(return_logits),
         static_offset=static_offset,
-        tuning=_api._tuning_key(tuning),
+        tuning=inputs.tuning_key(tuning),
     )
     return cfg, offset
 
@@ -369,7 +369,7 @@ def linear_logp_local(
     """
     lead = hidden.shape[:-1]
     n = math.prod(lead)
-    _api._validate_temperature(temperature, targets.shape)
+    inputs.validate_temperature(temperature, targets.shape)
     if tuple(targets.shape) != tuple(lead):
         raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {lead}")
     if bias is not None and tuple(bias.shape) != (weight_shard.shape[0],):
@@ -379,7 +379,7 @@ def linear_logp_local(
         h2, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning
     )
     t2 = targets.reshape(n).astype(jnp.int32)
-    inv_t = _api._inv_t(temperature, n)
+    inv_t = inputs.inv_temperature(temperature, n)
     logp, lse, logits = _local_core(h2, weight_shard, bias, t2, inv_t, offset, cfg)
     return LogpOutput(
         logp.reshape(lead), lse.reshape(lead), None if logits is None else logits.reshape(lead + (cfg.shard,))
@@ -600,7 +600,7 @@ def linear_logp_tp(
     weight = jnp.asarray(weight) if isinstance(weight, np.ndarray) else weight
     bias = jnp.asarray(bias) if isinstance(bias, np.ndarray) else bias
     targets = jnp.asarray(targets) if isinstance(targets, (np.ndarray, list)) else targets
-    vocab, padded = _api._validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
+    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
     if padded != weight.shape[0]:
         raise ValueError(
             f"weight rows ({weight.shape[0]}) must equal padded_vocab_size ({padded}) under TP: the weight must "
@@ -616,14 +616,14 @@ def linear_logp_tp(
     for ax in used:
         if ax not in mesh.shape:
             raise ValueError(f"row axis {ax!r} is not a mesh axis (axes: {tuple(mesh.shape)})")
-    if _api._checked(checked):
-        _api._check_targets(targets, vocab)
+    if inputs.checked_mode(checked):
+        inputs.check_targets(targets, vocab)
 
     n = math.prod(lead)
     be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs its partials/fold")
-    _api._LAST_PROVENANCE[:] = [_api._provenance(be, fallback, vocab, padded, backend)]
+    inputs.record_provenance(be, fallback, vocab, padded, backend)
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return LogpOutput(empty, empty, jnp.zeros(lead + (padded,), jnp.float32) if return_logits else None)
@@ -635,9 +635,9 @@ def linear_logp_tp(
         vocab_size=vocab,
         padded_vocab_size=padded,
         return_logits=bool(return_logits),
-        tuning=_api._tuning_key(tuning),
+        tuning=inputs.tuning_key(tuning),
     )
-    inv_t = _api._inv_t(temperature, n).reshape(lead)
+    inv_t = inputs.inv_temperature(temperature, n).reshape(lead)
     t = targets.astype(jnp.int32)
     if _explicit_axes(mesh):
         put = lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec))

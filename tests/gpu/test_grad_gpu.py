@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import detlogp_jax as dl
-from detlogp_jax import api, backends, grad
+from detlogp_jax import backends, grad, inputs
 from tests.conftest import assert_bitwise_equal
 from tests.test_api_guards import _f64_loss_grads
 
@@ -66,7 +66,7 @@ def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
 def test_fused_dz_equals_xla_formed_dz_within_bf16():
     n, d, v_pad, vocab = 256, 512, 32768, 32000
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=3)
-    inv_t = api._inv_t(jnp.asarray(temp), n)
+    inv_t = inputs.inv_temperature(jnp.asarray(temp), n)
     out = dl.linear_logp(hb, wb, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad,
                          backend="pallas_sm90")
     args = (hb, wb, jnp.asarray(b), jnp.asarray(t), inv_t, out.lse, jnp.asarray(g_lp), jnp.asarray(g_lse), None)

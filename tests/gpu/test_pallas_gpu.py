@@ -157,11 +157,11 @@ def test_logits_cols_and_serving_api(n, d, v):
 def test_inv_temperature_on_device_is_correctly_rounded():
   """The API's fl(1/T) on the GPU equals IEEE division (XLA:GPU's f32 `1 / t` does not:
   ~13% of random T differed on an H200), eagerly and under jit."""
-  from detlogp_jax import api, numerics
+  from detlogp_jax import inputs, numerics
 
   rng = np.random.default_rng(0)
   t = rng.uniform(0.05, 4.0, 1 << 20).astype(np.float32)
   want = oracle.inv_temperature(t, t.size).view(np.uint32)
-  for fn in (lambda x: numerics.inv_temperature(x, t.size), jax.jit(lambda x: api._inv_t(x, t.size))):
+  for fn in (lambda x: numerics.inv_temperature(x, t.size), jax.jit(lambda x: inputs.inv_temperature(x, t.size))):
     got = np.asarray(fn(jnp.asarray(t))).view(np.uint32)
     assert int((got != want).sum()) == 0

@@ -1,0 +1,176 @@
+"""What every entry point does before it computes: the documented interface that
+`linear_logp` and the layers above the core (`sharding`, integrations) share.
+
+* `validate(...)` checks shapes, dtypes, vocab sizes, bias and temperature at
+  trace time and returns `(vocab_size, padded_vocab_size)` with their defaults;
+  `vocab_sizes` and `validate_temperature` are its parts.
+* `checked_mode(checked)` resolves checked mode (the argument, else
+  `DETLOGP_CHECKED`); `check_targets` raises on out-of-range targets, eagerly
+  or at run time under jit.
+* `inv_temperature(temperature, n_rows)` gives fl(1/T) per row, the contract's
+  scale, with NaN in a row whose traced temperature is not positive and finite.
+* `tuning_key(tuning)` turns bit-neutral knobs into a hashable static key.
+* `record_provenance(...)` builds the provenance of a call and makes it the one
+  `last_provenance()` reports.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from detlogp_jax import backends
+from detlogp_jax import contract as C
+from detlogp_jax import numerics
+
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def is_concrete(x) -> bool:
+    """True for a value known at trace time (not a tracer)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size) -> tuple[int, int]:
+    """Checks a call's operands (trace time); returns (vocab_size, padded_vocab_size)."""
+    if not hasattr(hidden, "shape") or not hasattr(weight, "shape") or not hasattr(targets, "shape"):
+        raise TypeError("hidden, weight and targets must be arrays")
+    if hidden.ndim < 1:
+        raise ValueError(f"hidden must have shape [..., D], got {hidden.shape}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape [V, D] (lm_head layout), got {weight.shape}")
+    d = hidden.shape[-1]
+    if d < 1:
+        raise ValueError("hidden size D must be >= 1")
+    if weight.shape[1] != d:
+        raise ValueError(f"D mismatch: hidden [..., {d}] vs weight [V, {weight.shape[1]}] (expected lm_head [V, D])")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one row")
+    if jnp.dtype(hidden.dtype) not in FLOAT_DTYPES or jnp.dtype(weight.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"hidden/weight must be bfloat16, float16 or float32, got {hidden.dtype}/{weight.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {hidden.shape[:-1]}")
+    v_rows = weight.shape[0]
+    vocab, padded = vocab_sizes(v_rows, vocab_size, padded_vocab_size)
+    if bias is not None:
+        if not hasattr(bias, "shape") or tuple(bias.shape) != (v_rows,):
+            raise ValueError(f"bias must have shape ({v_rows},) like the weight's rows, got {getattr(bias, 'shape', bias)}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point, got {bias.dtype}")
+    validate_temperature(temperature, targets.shape)
+    return vocab, padded
+
+
+def vocab_sizes(v_rows: int, vocab_size, padded_vocab_size) -> tuple[int, int]:
+    """(vocab_size, padded_vocab_size) with their defaults (the weight's rows), validated."""
+    vocab = v_rows if vocab_size is None else vocab_size
+    padded = v_rows if padded_vocab_size is None else padded_vocab_size
+    for name, value in (("vocab_size", vocab), ("padded_vocab_size", padded)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a static int, got {type(value).__name__}")
+    vocab, padded = int(vocab), int(padded)
+    if not 1 <= vocab <= v_rows:
+        raise ValueError(f"vocab_size must be in [1, weight rows = {v_rows}], got {vocab}")
+    if padded < v_rows:
+        raise ValueError(f"padded_vocab_size {padded} is smaller than the weight's {v_rows} rows")
+    return vocab, padded
+
+
+def validate_temperature(temperature, row_shape) -> None:
+    """A positive finite scalar, or a float array of one value per row (checked when concrete)."""
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        if not math.isfinite(temperature) or temperature <= 0:
+            raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+        return
+    if not hasattr(temperature, "shape"):
+        raise TypeError(f"temperature must be a positive scalar or an array of one value per row, got {temperature!r}")
+    if tuple(temperature.shape) not in ((), tuple(row_shape)):
+        raise ValueError(f"temperature must be a scalar or have the targets' shape {tuple(row_shape)}, got {temperature.shape}")
+    if not jnp.issubdtype(temperature.dtype, jnp.floating):
+        raise TypeError(f"temperature must be floating point, got {temperature.dtype}")
+    if is_concrete(temperature):
+        t = np.asarray(temperature, np.float64)
+        if not np.all(np.isfinite(t) & (t > 0)):
+            raise ValueError("temperature must be finite and > 0 in every row")
+
+
+def checked_mode(checked: bool | None) -> bool:
+    """Checked mode: the argument, else DETLOGP_CHECKED."""
+    if checked is None:
+        return os.environ.get("DETLOGP_CHECKED", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(checked)
+
+
+def check_targets(targets, vocab_size: int) -> None:
+    """Checked mode: raise on out-of-range targets (eagerly, or at run time under jit)."""
+
+    def check(t):
+        t = np.asarray(t)
+        bad = C.bad_target(t, vocab_size)
+        if bad.any():
+            idx = np.argwhere(bad)[0].tolist()
+            raise ValueError(f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}")
+
+    if is_concrete(targets):
+        check(targets)
+    else:
+        jax.debug.callback(check, targets)
+
+
+def tuning_key(tuning) -> tuple:
+    """Bit-neutral tuning knobs as a hashable, order-free static key."""
+    return tuple(sorted((tuning or {}).items()))
+
+
+def inv_temperature(temperature, n_rows: int):
+    """fl(1/T) [n_rows] f32 for a scalar or per-row temperature; NaN where T <= 0 or not finite."""
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1), (n_rows,))
+    inv = numerics.inv_temperature(t, n_rows)
+    # A traced non-positive temperature makes only its own row NaN.
+    return jnp.where((t > 0) & jnp.isfinite(t), inv, jnp.nan)
+
+
+_LAST_PROVENANCE: list[C.Provenance] = []
+
+
+def last_provenance() -> C.Provenance | None:
+    """Provenance of the most recent call of an entry point (recorded at trace time)."""
+    return _LAST_PROVENANCE[-1] if _LAST_PROVENANCE else None
+
+
+def make_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
+    """The provenance record of a call served by `be` (requested as `requested`)."""
+    info = backends.platform_info()
+    return C.Provenance(
+        contract_id=C.CONTRACT_ID if be.contract_bearing else "none (non-contract lane)",
+        backend=be.name,
+        contract_bearing=be.contract_bearing,
+        platform=info["platform"],
+        device_kind=info["device_kind"],
+        compute_capability=info["compute_capability"],
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        vocab_size=vocab,
+        padded_vocab_size=padded,
+        n_split=C.n_split(padded),
+        requested_backend=requested,
+        fallback=fallback,
+    )
+
+
+def record_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
+    """Builds the call's provenance and makes it the one `last_provenance()` reports."""
+    prov = make_provenance(be, fallback, vocab, padded, requested)
+    _LAST_PROVENANCE[:] = [prov]
+    return prov
