@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from detlogp_jax import backends
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
-from detlogp_jax import inputs
+from detlogp_jax import inputs, row_sharding, vma
 from detlogp_jax.inputs import last_provenance
 
 class LogpOutput(NamedTuple):
@@ -78,6 +78,9 @@ def _core_bwd(cfg, res, cts):
         hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, vocab_size=cfg.vocab_size,
         dz=backends.get(cfg.backend).dz,
     )
+    # Under vma typing (inside shard_map) a replicated weight's gradient is the sum
+    # over the axes its rows' contributions vary over.
+    dh, dw, db = vma.match_cotangent(dh, hidden), vma.match_cotangent(dw, weight), vma.match_cotangent(db, bias)
     return dh, dw, db, None, jnp.zeros_like(inv_t)
 
 
@@ -152,21 +155,36 @@ def linear_logp(
         return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)
     if not hasattr(temperature, "shape"):
         temperature = jnp.asarray(temperature, jnp.float32)  # a runtime value: no retrace per T
+    if isinstance(targets, np.ndarray):  # range-checked on the host, in its own width
+        targets = inputs.narrow_targets(targets, vocab)
+    run = functools.partial(_run, cfg=cfg)
+    rows = row_sharding.explicit_rows(hidden, weight, bias)
+    if rows is not None:
+        return LogpOutput(*row_sharding.run_per_shard(
+            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits))
+    return LogpOutput(*run(hidden, weight, bias, targets, temperature))
+
+
+def _run(hidden, weight, bias, targets, temperature, *, cfg: _Config):
+    """The op on one device's rows: flatten, fl(1/T), pad, compute, unflatten."""
+    lead = hidden.shape[:-1]
+    n = math.prod(lead)
     pad = 0
-    if be.name == "reference" and inputs.is_concrete(hidden):
+    if cfg.backend == "reference" and inputs.is_concrete(hidden):
         pad = _row_bucket(n) - n
-    h2, t2, inv_t = _prepare(hidden, targets, temperature, pad)
-    impl = _impl if be.contract_bearing else _impl_autodiff
+    h2, t2, inv_t = _prepare(hidden, targets, temperature, pad, cfg.vocab_size)
+    impl = _impl if backends.get(cfg.backend).contract_bearing else _impl_autodiff
     logp, lse, logits = impl(h2, weight, bias, t2, inv_t, cfg)
-    return LogpOutput(*_finish(logp, lse, logits, lead))
+    return _finish(logp, lse, logits, lead)
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
-def _prepare(hidden, targets, temperature, pad: int):
-    """Flattens leading dims, computes inv_t, pads rows to a compile bucket."""
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _prepare(hidden, targets, temperature, pad: int, vocab_size: int):
+    """Flattens leading dims, range-checks targets before narrowing them to int32,
+    computes inv_t, pads rows to a compile bucket."""
     n = math.prod(hidden.shape[:-1])
     h2 = hidden.reshape(n, hidden.shape[-1])
-    t2 = targets.reshape(n).astype(jnp.int32)
+    t2 = inputs.narrow_targets(targets.reshape(n), vocab_size)
     inv_t = inputs.inv_temperature(temperature, n)
     if pad:
         h2 = jnp.pad(h2, ((0, pad), (0, 0)))

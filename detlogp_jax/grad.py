@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from detlogp_jax import contract as C
+from detlogp_jax import vma
 
 DEFAULT_CHUNK = 8192  # bit-neutral for the forward; fixes the backward's sums
 
@@ -76,16 +77,18 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
             dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
         return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
 
-    dh, dw, db = _chunk_walk(dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec)
+    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits)
+    dh, dw, db = _chunk_walk(dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec, operands)
     return dh.astype(hidden.dtype), dw, db
 
 
-def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec):
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands):
     """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
     two runs give identical bytes): for chunk i (clamped to end at the last weight
     row), dz = dz_of(i, start, w_c, cols) [rows, chunk] in the GEMM dtype, then
     dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] += sum_rows dz.
-    Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None)."""
+    Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None).
+    `operands`: every array dz depends on (the carries take their mesh axes under vma typing)."""
     v_rows = weight.shape[0]
 
     def body(carry, i):
@@ -106,6 +109,7 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec):
         jnp.zeros(weight.shape, weight.dtype),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
     )
+    init = vma.like(init, *operands)
     (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n_chunks))
     return dh, dw, (None if bias is None else db.astype(bias.dtype))
 
@@ -146,5 +150,6 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
         return dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
 
-    dh, dw, db = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None)
+    operands = (hp, weight, bias, tp, it, lp, c1p, c2p)
+    dh, dw, db = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None, operands)
     return dh[:n].astype(hidden.dtype), dw, db

@@ -128,6 +128,24 @@ def check_targets(targets, vocab_size: int) -> None:
         jax.debug.callback(check, targets)
 
 
+def narrow_targets(targets, vocab_size: int):
+    """int32 targets: every value that is neither `IGNORE_INDEX` nor in [0, vocab_size)
+    becomes -1 (a bad target: NaN logp in its row), decided in the input's own integer
+    width and signedness before any narrowing (an int64 2**32 + 5 is bad, not token 5;
+    an unsigned value is never the ignore index). numpy in, numpy out; else jnp."""
+    xp = np if isinstance(targets, np.ndarray) else jnp
+    dtype = np.dtype(targets.dtype)
+    if dtype == np.int32:
+        return targets
+    info = np.iinfo(dtype)
+    keep = targets >= 0
+    if vocab_size <= info.max:
+        keep = keep & (targets < vocab_size)
+    if np.issubdtype(dtype, np.signedinteger) and info.min <= C.IGNORE_INDEX:
+        keep = keep | (targets == C.IGNORE_INDEX)
+    return xp.where(keep, targets, -1).astype(xp.int32)
+
+
 def tuning_key(tuning) -> tuple:
     """Bit-neutral tuning knobs as a hashable, order-free static key."""
     return tuple(sorted((tuning or {}).items()))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from detlogp_jax import contract as C
+from detlogp_jax import vma
 
 F32 = jnp.float32
 
@@ -202,7 +203,7 @@ def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None):
         w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), pexp(ops.sub(m_j, big_m), ops))
         return ops.add(acc, ops.mul(s_j, w)), None
 
-    acc, _ = lax.scan(body, jnp.zeros_like(big_m), (m.T, s.T))
+    acc, _ = lax.scan(body, vma.like(jnp.zeros_like(big_m), m, s), (m.T, s.T))
     lse = ops.add(big_m, plog(acc, ops))
     y_t = ftz(ops.mul(ftz(z_t), inv_t))
     d = ops.sub(y_t, lse)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from detlogp_jax import contract as C
-from detlogp_jax import numerics
+from detlogp_jax import numerics, vma
 
 BACKEND_NAME = "reference"
 ROW_BLOCK = 128  # bit-neutral: rows are independent
@@ -52,7 +52,8 @@ def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, ze
             w_d = numerics.ftz(jnp.where(present, w_d.astype(jnp.float32), 0.0))
             return ops.add(acc, ops.mul(h[:, d][:, None], w_d[None, :]))
 
-        acc = lax.fori_loop(0, h.shape[1], kstep, jnp.zeros((rows, cols.shape[0]), jnp.float32))
+        acc0 = vma.like(jnp.zeros((rows, cols.shape[0]), jnp.float32), h, weight, cols)
+        acc = lax.fori_loop(0, h.shape[1], kstep, acc0)
         if bias is not None:
             acc = ops.add(acc, jnp.where(present, bias.astype(jnp.float32)[g], 0.0)[None, :])
         return numerics.ftz(acc)
@@ -77,6 +78,7 @@ def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, ze
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows,), bool),
     )
+    init = vma.like(init, h, weight, bias, t, inv_t, zero)
     (m, s, z_t, owned), zs = lax.scan(step, init, (gather, col_steps))
     return m, s, z_t, owned, zs
 
@@ -125,8 +127,12 @@ def partials(
     h32 = numerics.ftz(hidden.astype(jnp.float32))
     zero = numerics.opaque_zero(hidden, weight, bias, targets, inv_t)
 
-    n_blocks = max(1, -(-n_rows // (row_block or ROW_BLOCK)))
-    rb = max(1, -(-n_rows // n_blocks))
+    if isinstance(n_rows, int):  # balanced blocks of at most row_block rows
+        n_blocks = max(1, -(-n_rows // (row_block or ROW_BLOCK)))
+        rb = max(1, -(-n_rows // n_blocks))
+    else:  # a symbolic row count (jax.export): blocks of exactly row_block rows
+        rb = row_block or ROW_BLOCK
+        n_blocks = -(-n_rows // rb)
     pad = n_blocks * rb - n_rows
     hp = jnp.pad(h32, ((0, pad), (0, 0)))
     tp = jnp.pad(targets.astype(jnp.int32), (0, pad), constant_values=-1)

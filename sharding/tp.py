@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from detlogp_jax import backends
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
-from detlogp_jax import inputs
+from detlogp_jax import inputs, vma
 from detlogp_jax.api import LogpOutput
 
 __all__ = [
@@ -212,42 +212,6 @@ def tp_partials_and_fold(
 # --- differentiable core (custom_vjp, evaluated inside shard_map) ------------------
 
 
-def _varying(x) -> frozenset:
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        mat = getattr(aval, "manual_axis_type", None)
-        vma = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
-    return frozenset(vma)
-
-
-def _ordered_sum(x, axis_name):
-    """Deterministic sum over a mesh axis: all_gather, then ascending rank order."""
-    g = _gather_invariant(x, axis_name, axis=0, tiled=False)
-    acc = g[0]
-    for r in range(1, g.shape[0]):
-        acc = acc + g[r]
-    return acc
-
-
-def _match_varying(ct, primal, ordered_axes=()):
-    """Reduces a cotangent over the mesh axes its primal is replicated on.
-
-    Axes in `ordered_axes` are summed in ascending rank order (all_gather +
-    sequential adds); others by psum (weight-sized tensors).
-    """
-    if ct is None:
-        return None
-    want = _varying(primal)
-    extra = _varying(ct) - want
-    for ax in sorted(extra, key=str):
-        ct = _ordered_sum(ct, ax) if ax in ordered_axes else lax.psum(ct, ax)
-    missing = want - _varying(ct)
-    if missing:
-        ct = lax.pcast(ct, tuple(sorted(missing, key=str)), to="varying")
-    return ct
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _local_core(hidden, weight, bias, targets, inv_t, offset, cfg):
     return _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg)
@@ -284,12 +248,12 @@ def _local_core_bwd(cfg, res, cts):
     dh, dw, db = _local_backward(cfg, hidden, weight, bias, targets, inv_t, offset, lse, *cts)
     # hidden is replicated over the TP axis: its gradient is the sum of every
     # shard's contribution, added in ascending rank order on every rank.
-    dh = _match_varying(_ordered_sum(dh, cfg.axis_name), hidden)
+    dh = vma.match_cotangent(vma.ordered_sum(dh, cfg.axis_name), hidden)
     # Weight/bias shards: this rank's rows' contribution. Under check_vma=True
     # (autodiff through the shard_map boundary) they are reduced over the axes
     # the weight is replicated on; otherwise they are left row-local.
-    dw = _match_varying(dw, weight)
-    db = _match_varying(db, bias)
+    dw = vma.match_cotangent(dw, weight)
+    db = vma.match_cotangent(db, bias)
     return dh, dw, db, None, None, None
 
 
@@ -363,9 +327,11 @@ def linear_logp_local(
     `lax.axis_index(axis_name) * V_pad/tp`. Returns LogpOutput(logp, lse,
     logits) with logp/lse [...] replicated over `axis_name` and logits
     [..., V_pad/tp] this rank's unscaled FP32 columns (-inf at columns >=
-    vocab_size). Call it inside `jax.shard_map(..., check_vma=False)` (the
-    built-in backends carry no manual-axis types; `check_vma=True` raises a
-    clear TypeError) and take gradients inside the shard_map body.
+    vocab_size). Call it inside `jax.shard_map` with jax's default
+    `check_vma=True` (the loop carries and cotangents carry the mesh axes: the
+    weight shard's gradient comes back summed over the axes it is replicated
+    on) or with `check_vma=False` (then sum it over the row axes yourself), and
+    take gradients inside the shard_map body.
     """
     lead = hidden.shape[:-1]
     n = math.prod(lead)
@@ -504,7 +470,7 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
         )
         # hidden is replicated over TP: add the shards' contributions in
         # ascending rank order (identical bytes on every rank).
-        dh = _ordered_sum(dh, cfg.axis_name).reshape(h.shape)
+        dh = vma.ordered_sum(dh, cfg.axis_name).reshape(h.shape)
         # Weight/bias shards are replicated over the row axes: the usual
         # data-parallel gradient sum (gradients are not frozen by the contract).
         if row_mesh_axes:

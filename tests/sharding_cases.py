@@ -316,18 +316,31 @@ def suite_other():
         "scale": float(max(np.max(np.abs(np.asarray(g_ref[0]))), np.max(np.abs(np.asarray(g_ref[1]))))),
     }
 
-    # A vma-typed shard_map (check_vma=True) with a backend that is not vma-typed: clear error.
-    def body2(hl, wl, tl):
-        inv_t = jnp.full(tl.shape, np.float32(1.0) / np.float32(temp), jnp.float32)
-        return tp_partials_and_fold(hl, wl, None, tl, inv_t, axis_name="tp", vocab_size=vocab, padded_vocab_size=vpad,
-                                    backend="reference")[0]
+    # The same inside a vma-typed shard_map (check_vma=True, jax's default): the op's
+    # carries and cotangents carry the mesh axes, and the weight gradient comes back
+    # summed over the data axis it is replicated on (no psum by the caller).
+    def body_vma(hl, wl, tl):
+        def loss(hl, wl):
+            o = linear_logp_local(hl, wl, tl, axis_name="tp", temperature=temp, vocab_size=vocab,
+                                  padded_vocab_size=vpad, backend="reference")
+            return jnp.sum(jnp.nan_to_num(o.logp)), o.logp
 
-    try:
-        jax.jit(jax.shard_map(body2, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("dp")),
-                              out_specs=P("dp"))).trace(h, w, t)
-        out["vma_error"] = "no error"
-    except TypeError as e:
-        out["vma_error"] = str(e).split("\n")[0]
+        (_, logp), (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hl, wl)
+        inv_t = jnp.full(tl.shape, np.float32(1.0) / np.float32(temp), jnp.float32)
+        fwd = tp_partials_and_fold(hl, wl, None, tl, inv_t, axis_name="tp", vocab_size=vocab, padded_vocab_size=vpad,
+                                   backend="reference")[0]
+        return logp, fwd, dh, dw
+
+    f = jax.jit(jax.shard_map(body_vma, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("dp")),
+                              out_specs=(P("dp"), P("dp"), P("dp", None), P("tp", None))))
+    logp, fwd, dh, dw = f(h, w, t)
+    out["local_api_vma"] = {
+        "logp_rows_differ": _rows_differ(logp, ref.logp),
+        "partials_fold_rows_differ": _rows_differ(fwd, ref.logp),
+        "dh_max_abs_diff": float(np.max(np.abs(np.asarray(dh, np.float64) - np.asarray(g_ref[0])))),
+        "dw_max_abs_diff": float(np.max(np.abs(np.asarray(dw, np.float64) - np.asarray(g_ref[1])))),
+        "scale": out["local_api"]["scale"],
+    }
     return out
 
 

@@ -182,8 +182,12 @@ def test_local_api_inside_user_shard_map(other):
     assert r["dh_max_abs_diff"] <= tol and r["dw_max_abs_diff"] <= tol, r
 
 
-def test_vma_typed_shard_map_gets_clear_error(other):
-    assert "check_vma=False" in other["vma_error"], other["vma_error"]
+def test_local_api_inside_vma_typed_shard_map(other):
+    """check_vma=True (the default): forward bytes and gradients as with check_vma=False."""
+    r = other["local_api_vma"]
+    assert r["logp_rows_differ"] == 0 and r["partials_fold_rows_differ"] == 0, r
+    tol = 1e-5 * max(1.0, r["scale"])
+    assert r["dh_max_abs_diff"] <= tol and r["dw_max_abs_diff"] <= tol, r
 
 
 def test_two_processes_tp2_match_single_process():
