@@ -40,6 +40,11 @@ class _Config:
     padded_vocab_size: int
     return_logits: bool
     tuning: tuple = ()
+    weight_layout: str = "vd"
+
+    def layout_kwargs(self) -> dict:
+        """The layout argument for a backend (omitted for the default layout)."""
+        return {} if self.weight_layout == "vd" else {"weight_layout": self.weight_layout}
 
 
 def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
@@ -51,11 +56,13 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
         m, s, z_t, owned, logits = be.partials(
             hidden, weight, bias, targets, inv_t,
             vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
-            return_logits=cfg.return_logits, logits_cols=cfg.vocab_size if cfg.return_logits else None, **kw,
+            return_logits=cfg.return_logits, logits_cols=cfg.vocab_size if cfg.return_logits else None,
+            **cfg.layout_kwargs(), **kw,
         )
         logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
     else:
-        logp, lse, logits = be.forward(hidden, weight, bias, targets, inv_t, vocab_size=cfg.vocab_size, return_logits=cfg.return_logits)
+        logp, lse, logits = be.forward(hidden, weight, bias, targets, inv_t, vocab_size=cfg.vocab_size,
+                                       return_logits=cfg.return_logits, **cfg.layout_kwargs())
         if logits is not None:
             logits = logits[:, : cfg.vocab_size]
     return logp, lse, logits
@@ -76,7 +83,7 @@ def _core_bwd(cfg, res, cts):
     g_logp, g_lse, g_logits = cts
     dh, dw, db = grad_lib.backward(
         hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, vocab_size=cfg.vocab_size,
-        dz=backends.get(cfg.backend).dz,
+        dz=backends.get(cfg.backend).dz, weight_layout=cfg.weight_layout,
     )
     # Under vma typing (inside shard_map) a replicated weight's gradient is the sum
     # over the axes its rows' contributions vary over.
@@ -120,10 +127,13 @@ def linear_logp(
     backend: str = "auto",
     checked: bool | None = None,
     tuning: dict | None = None,
+    weight_layout: str = "vd",
 ) -> LogpOutput:
-    """Log-probability of `targets` under logits = hidden @ weight.T (+ bias), / temperature.
+    """Log-probability of `targets` under logits = hidden @ W.T (+ bias), / temperature.
 
-    hidden [..., D] and weight [V, D] (lm_head layout) share a float dtype;
+    hidden [..., D] and the weight share a float dtype; the weight is W [V, D]
+    (weight_layout="vd", the lm_head layout) or W.T [D, V] (weight_layout="dv",
+    a Flax/Tunix kernel), read in place in either layout with the same bytes;
     targets [...] int (global vocab ids; -100 = ignore: logp +0.0, no gradient;
     any other id outside [0, vocab_size) -> NaN logp in that row only, or an
     error with `checked=True` / DETLOGP_CHECKED=1). bias [V] is added in FP32.
@@ -141,15 +151,17 @@ def linear_logp(
     C.check_no_overrides(tuning)
     # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
     targets = np.asarray(targets) if isinstance(targets, (list, tuple)) else targets
-    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
+    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size,
+                                    weight_layout)
     lead = hidden.shape[:-1]
     n = math.prod(lead)
     if inputs.checked_mode(checked):
         inputs.check_targets(targets, vocab)
 
-    be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
+    h_spec = jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype)
+    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout)
     inputs.record_provenance(be, fallback, vocab, padded, backend)
-    cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning))
+    cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning), weight_layout)
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)
@@ -200,9 +212,10 @@ def _finish(logp, lse, logits, lead):
     return logp[:n].reshape(lead), lse[:n].reshape(lead), out_logits
 
 
-def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto") -> C.Provenance:
+def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto",
+               weight_layout="vd") -> C.Provenance:
     """The provenance record a call with these arguments would get (no compute)."""
     h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
-    be, fallback = backends.resolve(backend, h2, weight)
-    vocab, padded = inputs.vocab_sizes(weight.shape[0], vocab_size, padded_vocab_size)
+    be, fallback = backends.resolve(backend, h2, weight, weight_layout)
+    vocab, padded = inputs.vocab_sizes(weight.shape[inputs.vocab_axis(weight_layout)], vocab_size, padded_vocab_size)
     return inputs.make_provenance(be, fallback, vocab, padded, backend)

@@ -53,6 +53,7 @@ class DzKernel:
     fn: Callable
     supports: Callable[[Any, Any, int], bool]
     row_multiple: int
+    layouts: frozenset = frozenset({"vd"})  # weight layouts of w_c it takes ("vd": [chunk, D])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Backend:
     fold: Callable | None = None
     forward: Callable | None = None
     dz: DzKernel | None = None
+    layouts: frozenset = frozenset({"vd"})  # weight layouts it reads in place ("vd" [V, D], "dv" [D, V])
     description: str = ""
     knobs: frozenset = frozenset()  # the bit-neutral tuning knobs it applies
     unavailable_reason: Callable[[], str] = lambda: "not available on this machine"
@@ -147,7 +149,7 @@ def preferred() -> str:
     return "reference"
 
 
-def resolve(requested: str, hidden, weight) -> tuple[Backend, bool]:
+def resolve(requested: str, hidden, weight, weight_layout: str = "vd") -> tuple[Backend, bool]:
     """Picks the backend that serves a call. Returns (backend, fallback)."""
     strict = is_strict()
     if requested == "auto":
@@ -164,6 +166,8 @@ def resolve(requested: str, hidden, weight) -> tuple[Backend, bool]:
         reason = f"backend {target!r} is not available on this machine: {backend.unavailable_reason()}"
     else:
         ok, why = backend.supports(hidden, weight)
+        if ok and weight_layout not in backend.layouts:
+            ok, why = False, f"it does not read a weight_layout={weight_layout!r} weight in place"
         if not ok:
             reason = f"backend {target!r} cannot serve this call: {why}"
     if reason is None:
@@ -190,6 +194,7 @@ def _reference() -> Backend:
         supports=lambda h, w: (True, ""),
         partials=reference.partials,
         fold=reference.fold,
+        layouts=frozenset({"vd", "dv"}),
         description="plain JAX, any platform; sequential K walk; bit-exact vs the oracle on its logits",
         knobs=frozenset({"row_block"}),
     )
@@ -204,6 +209,7 @@ def _xla() -> Backend:
         available=lambda: True,
         supports=lambda h, w: (True, ""),
         forward=xla_backend.forward,
+        layouts=frozenset({"vd", "dv"}),
         description="materialized XLA logits + log_softmax: today's baseline, not batch-invariant",
     )
 

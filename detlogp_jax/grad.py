@@ -40,20 +40,22 @@ def _chunking(v_rows: int, chunk: int):
 
 
 def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, *, vocab_size: int,
-             chunk: int = DEFAULT_CHUNK, dz=None):
+             chunk: int = DEFAULT_CHUNK, dz=None, weight_layout: str = "vd"):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
     dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
     (used only without a logits cotangent and when it supports the operands and
-    the chunk length).
+    the chunk length). weight_layout: "vd" ([V, D]) or "dv" ([D, V], read in place;
+    dW comes back in the same layout).
     """
-    v_rows = weight.shape[0]
+    v_axis = 0 if weight_layout == "vd" else 1
+    v_rows = weight.shape[v_axis]
     chunk, n_chunks = _chunking(v_rows, chunk)
     live = (targets >= 0) & (targets < vocab_size)
     g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)  # dead rows get no logp gradient
     g_lse = g_lse.astype(jnp.float32)
     inv_t = inv_t.astype(jnp.float32)
-    if dz is not None and g_logits is None and dz.supports(hidden, weight, chunk):
+    if dz is not None and g_logits is None and weight_layout in dz.layouts and dz.supports(hidden, weight, chunk):
         return _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
                                   vocab_size=vocab_size, chunk=chunk, n_chunks=n_chunks, dz=dz)
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
@@ -67,7 +69,8 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
 
     def dz_of(i, start, w_c, cols):
         fresh = (cols >= i * chunk) & (cols < vocab_size)  # each column once; real vocab only
-        z = jnp.einsum("nd,vd->nv", hidden, w_c, preferred_element_type=jnp.float32, precision=prec)
+        z = jnp.einsum("nd,vd->nv" if v_axis == 0 else "nd,dv->nv", hidden, w_c, preferred_element_type=jnp.float32,
+                       precision=prec)
         if bias is not None:
             z = z + lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)[None, :]
         p = jnp.where(fresh[None, :], jnp.exp(z * inv_t[:, None] - lse[:, None]), 0.0)
@@ -78,27 +81,30 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
         return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
 
     operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits)
-    dh, dw, db = _chunk_walk(dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec, operands)
+    dh, dw, db = _chunk_walk(dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec, operands, v_axis)
     return dh.astype(hidden.dtype), dw, db
 
 
-def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands):
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_axis=0):
     """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
     two runs give identical bytes): for chunk i (clamped to end at the last weight
     row), dz = dz_of(i, start, w_c, cols) [rows, chunk] in the GEMM dtype, then
     dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] += sum_rows dz.
     Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None).
-    `operands`: every array dz depends on (the carries take their mesh axes under vma typing)."""
-    v_rows = weight.shape[0]
+    `operands`: every array dz depends on (the carries take their mesh axes under vma typing).
+    `v_axis`: the weight's vocabulary axis (0: [V, D], 1: [D, V]; chunks are read in place)."""
+    v_rows = weight.shape[v_axis]
+    wd = "vd" if v_axis == 0 else "dv"
 
     def body(carry, i):
         dh, dw, db = carry
         start = jnp.minimum(i * chunk, v_rows - chunk)
-        w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)
+        w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=v_axis)
         cols = start + jnp.arange(chunk)
         dz = dz_of(i, start, w_c, cols)
-        dh = dh + jnp.einsum("nv,vd->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec)
-        dw = _update_dw(dw, dz, hidden, start, cols >= i * chunk, prec)
+        dh = dh + jnp.einsum(f"nv,{wd}->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32,
+                             precision=prec)
+        dw = _update_dw(dw, dz, hidden, start, cols >= i * chunk, prec, v_axis)
         if db is not None:
             prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
             db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
@@ -114,14 +120,17 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands):
     return dh, dw, (None if bias is None else db.astype(bias.dtype))
 
 
-def _update_dw(dw, dz, hidden, start, fresh_rows, prec):
+def _update_dw(dw, dz, hidden, start, fresh_rows, prec, v_axis=0):
     """dW[start:start+chunk] = dz.T @ h on rows seen for the first time (a clamped
-    last chunk overlaps the previous one; its repeated rows keep their value)."""
+    last chunk overlaps the previous one; its repeated rows keep their value);
+    along the vocabulary axis `v_axis` of dW."""
     chunk = dz.shape[1]
     out_dtype = jnp.float32 if dw.dtype == jnp.float32 else dw.dtype  # bf16 out, f32 accumulation
-    dw_c = jnp.einsum("nv,nd->vd", dz, hidden, preferred_element_type=out_dtype, precision=prec).astype(dw.dtype)
-    prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=0)
-    return lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh_rows[:, None], dw_c, prev), start, axis=0)
+    wd = "vd" if v_axis == 0 else "dv"
+    dw_c = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec).astype(dw.dtype)
+    prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=v_axis)
+    fresh = fresh_rows[:, None] if v_axis == 0 else fresh_rows[None, :]
+    return lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh, dw_c, prev), start, axis=v_axis)
 
 
 def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, *, vocab_size, chunk, n_chunks, dz):

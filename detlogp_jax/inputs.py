@@ -32,27 +32,53 @@ from detlogp_jax import numerics
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
+# "vd": the lm_head layout [V, D] (PyTorch, HF checkpoints, a tied embedding table);
+# "dv": a Flax/Tunix kernel [D, V] (`nnx.Linear(D, V).kernel`). Never guessed from shapes.
+WEIGHT_LAYOUTS = ("vd", "dv")
+
+
+def check_layout(weight_layout) -> str:
+    """The layout name, or a ValueError for anything else."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be 'vd' ([V, D], lm_head) or 'dv' ([D, V], a Flax kernel), got {weight_layout!r}")
+    return weight_layout
+
+
+def vocab_axis(weight_layout: str) -> int:
+    """The weight axis that indexes the vocabulary."""
+    return 0 if check_layout(weight_layout) == "vd" else 1
+
 
 def is_concrete(x) -> bool:
     """True for a value known at trace time (not a tracer)."""
     return not isinstance(x, jax.core.Tracer)
 
 
-def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size) -> tuple[int, int]:
-    """Checks a call's operands (trace time); returns (vocab_size, padded_vocab_size)."""
+def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size,
+             weight_layout: str = "vd") -> tuple[int, int]:
+    """Checks a call's operands (trace time); returns (vocab_size, padded_vocab_size).
+    `weight_layout` says which axis of the weight is the vocabulary ("vd": [V, D],
+    "dv": [D, V]); a weight whose D axis does not match hidden's is refused."""
+    check_layout(weight_layout)
     if not hasattr(hidden, "shape") or not hasattr(weight, "shape") or not hasattr(targets, "shape"):
         raise TypeError("hidden, weight and targets must be arrays")
     if hidden.ndim < 1:
         raise ValueError(f"hidden must have shape [..., D], got {hidden.shape}")
+    shape_name = "[V, D] (weight_layout='vd')" if weight_layout == "vd" else "[D, V] (weight_layout='dv')"
     if weight.ndim != 2:
-        raise ValueError(f"weight must have shape [V, D] (lm_head layout), got {weight.shape}")
+        raise ValueError(f"weight must have shape {shape_name}, got {weight.shape}")
     d = hidden.shape[-1]
     if d < 1:
         raise ValueError("hidden size D must be >= 1")
-    if weight.shape[1] != d:
-        raise ValueError(f"D mismatch: hidden [..., {d}] vs weight [V, {weight.shape[1]}] (expected lm_head [V, D])")
-    if weight.shape[0] < 1:
-        raise ValueError("weight must have at least one row")
+    v_axis = vocab_axis(weight_layout)
+    if weight.shape[1 - v_axis] != d:
+        other = "'dv' for a [D, V] kernel" if weight_layout == "vd" else "'vd' for a [V, D] lm_head"
+        raise ValueError(
+            f"D mismatch: hidden [..., {d}] vs weight {tuple(weight.shape)} as {shape_name}; "
+            f"pass weight_layout={other}"
+        )
+    if weight.shape[v_axis] < 1:
+        raise ValueError("weight must have at least one vocabulary row")
     if jnp.dtype(hidden.dtype) not in FLOAT_DTYPES or jnp.dtype(weight.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"hidden/weight must be bfloat16, float16 or float32, got {hidden.dtype}/{weight.dtype}")
     if hidden.dtype != weight.dtype:
@@ -61,7 +87,7 @@ def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_voca
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {hidden.shape[:-1]}")
-    v_rows = weight.shape[0]
+    v_rows = weight.shape[v_axis]
     vocab, padded = vocab_sizes(v_rows, vocab_size, padded_vocab_size)
     if bias is not None:
         if not hasattr(bias, "shape") or tuple(bias.shape) != (v_rows,):

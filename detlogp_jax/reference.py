@@ -37,8 +37,9 @@ def _local_plan(padded_vocab_size: int, col_offset: int, shard_cols: int):
     return starts, ends
 
 
-def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, zero, return_logits):
-    """Partials for one block of rows; the chain walks `col_steps` [steps, n_loc*64]."""
+def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, zero, return_logits, d_axis):
+    """Partials for one block of rows; the chain walks `col_steps` [steps, n_loc*64].
+    `d_axis`: the weight's D axis (1 for [V, D], 0 for [D, V]: read in place)."""
     ops = numerics.XlaOps(zero)
     rows = h.shape[0]
     n_loc = col_steps.shape[1] // C.TILE_V
@@ -48,7 +49,7 @@ def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, ze
         present = cols >= 0
 
         def kstep(d, acc):
-            w_d = lax.dynamic_index_in_dim(weight, d, axis=1, keepdims=False)[g]
+            w_d = lax.dynamic_index_in_dim(weight, d, axis=d_axis, keepdims=False)[g]
             w_d = numerics.ftz(jnp.where(present, w_d.astype(jnp.float32), 0.0))
             return ops.add(acc, ops.mul(h[:, d][:, None], w_d[None, :]))
 
@@ -97,10 +98,13 @@ def partials(
     return_logits: bool = False,
     logits_cols: int | None = None,
     row_block: int | None = None,
+    weight_layout: str = "vd",
 ):
     """Split partials of the contract for rows of `hidden` against `weight`.
 
-    weight [Vl, D] holds the rows of global columns [col_offset, col_offset+Vl);
+    weight [Vl, D] (or [D, Vl] with weight_layout="dv", read in place: the K walk
+    and every sum are the same, so are the bytes) holds the rows of global
+    columns [col_offset, col_offset+Vl);
     columns of the shard beyond Vl (an unpadded weight) and columns >= vocab_size
     are padding. Returns (m, s) [N, n_local], the owner's raw z_t [N] (valid
     where `owned`), and, with `return_logits`, logits [N, Vl] f32 (only the
@@ -110,7 +114,8 @@ def partials(
     starts, ends = _local_plan(padded_vocab_size, col_offset, shard_cols)
     n_loc, steps = len(starts), int((ends - starts).max())
     n_rows, d = hidden.shape
-    v_local = weight.shape[0]
+    d_axis = 1 if weight_layout == "vd" else 0
+    v_local = weight.shape[1 - d_axis]
 
     # Static column map: step i of split j reads tile starts[j] + i (or nothing).
     lane = np.arange(C.TILE_V)
@@ -140,7 +145,7 @@ def partials(
 
     def run_block(args):
         h, t, it = args
-        return _block_partials(h, weight, bias, gather, col_steps, t, it, vocab_size, zero, return_logits)
+        return _block_partials(h, weight, bias, gather, col_steps, t, it, vocab_size, zero, return_logits, d_axis)
 
     m, s, z_t, owned, zs = lax.map(
         run_block, (hp.reshape(n_blocks, rb, d), tp.reshape(n_blocks, rb), ip.reshape(n_blocks, rb))

@@ -15,19 +15,22 @@ from jax import lax
 from detlogp_jax import contract as C
 
 
-def logits(hidden, weight, bias=None):
-    """FP32 logits [N, V] = hidden @ weight.T (+ bias) through one XLA dot."""
+def logits(hidden, weight, bias=None, weight_layout: str = "vd"):
+    """FP32 logits [N, V] = hidden @ W.T (+ bias) through one XLA dot (weight [V, D],
+    or [D, V] with weight_layout="dv", read in place)."""
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
-    z = jnp.einsum("nd,vd->nv", hidden, weight, preferred_element_type=jnp.float32, precision=prec)
+    spec = "nd,vd->nv" if weight_layout == "vd" else "nd,dv->nv"
+    z = jnp.einsum(spec, hidden, weight, preferred_element_type=jnp.float32, precision=prec)
     if bias is not None:
         z = z + bias.astype(jnp.float32)[None, : z.shape[1]]
     return z
 
 
-def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_logits: bool = False):
+def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_logits: bool = False,
+            weight_layout: str = "vd"):
     """(logp, lse, logits|None) with XLA's own logsumexp; same semantics for
     ignore_index (+0) and bad targets (NaN) as the contract, other bits free."""
-    z = logits(hidden, weight, bias)[:, :vocab_size]
+    z = logits(hidden, weight, bias, weight_layout)[:, :vocab_size]
     y = z * inv_t[:, None]
     lse = jax.nn.logsumexp(y, axis=1)
     safe = jnp.clip(targets, 0, vocab_size - 1)
