@@ -91,7 +91,7 @@ def test_tuning_cannot_override_contract_constants(monkeypatch):
 
 @pytest.mark.parametrize("mutate,exc,match", [
     (lambda h, w, t: (h[:, :-1], w, t), ValueError, "D mismatch"),
-    (lambda h, w, t: (h, w[None], t), ValueError, "lm_head"),
+    (lambda h, w, t: (h, w[None], t), ValueError, r"\[V, D\] \(weight_layout=.vd.\)"),
     (lambda h, w, t: (h, w, t[:-1]), ValueError, "targets shape"),
     (lambda h, w, t: (h.astype(np.int32), w, t), TypeError, "bfloat16, float16 or float32"),
     (lambda h, w, t: (h.astype(jnp.bfloat16), w, t), TypeError, "share a dtype"),
