@@ -192,3 +192,18 @@ def test_main_job_in_a_fresh_clone_writes_only_its_out_dir(tmp_path):
     js = json.loads((out / "validate_cpu_tiny.json").read_text())
     assert js["ok"] and js["config"]["strict"] and js["config"]["backend"] == "reference"
     assert js["git_rev"] and not js["git_rev"].endswith("-dirty")
+
+
+def test_verdict_on_an_operator_failure(report):
+    import copy
+
+    from detlogp_jax.apps.claims import verdict
+
+    bad = copy.deepcopy(report)
+    bad["rows"][0]["mismatch_count"] = 3
+    next(c for c in bad["claims"] if c["key"] == "operator")["status"] = "FAIL"
+    bad["ok"] = False
+    v = verdict(bad)
+    assert v.startswith("VERDICT: FAIL (operator) -- ") and "operator rows exact" not in v
+    if bad["rows"][1]["mismatch_count"]:
+        assert "not the body's alone" in v

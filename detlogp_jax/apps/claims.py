@@ -132,7 +132,12 @@ def verdict(report: dict[str, Any]) -> str:
     failed = [k for k in parts if by[k]["status"] == "FAIL"]
     if by["operator"]["status"].startswith("N/A"):
         passed.insert(0, f"operator rows not contract-checked ({prov.get('backend')} is not contract-bearing)")
-    head = "VERDICT: PASS -- " if report["ok"] else f"VERDICT: FAIL ({', '.join(failed) or by['end_to_end']['status']}) -- "
+    if not report["ok"]:
+        head = f"VERDICT: FAIL ({', '.join(failed) or by['end_to_end']['status']}) -- "
+    elif by["operator"]["status"].startswith("N/A"):
+        head = "VERDICT: NO CONTRACT CLAIM (non-contract backend) -- "
+    else:
+        head = "VERDICT: PASS -- "
     if e2e["mismatch_count"] == 0:
         tail = f"no end-to-end drift between rollout and trainer either (0/{e2e['rows']} rows)"
     elif op["mismatch_count"] == 0:

@@ -9,7 +9,7 @@ Defaults: on a Hopper GPU `pallas_sm90`, `qwen3_8b`, 64 x 128, strict; elsewhere
 `reference`, `small`, 16 x 32, strict. The report (.md, .json, .png) goes to a
 new `./detlogp-results/<UTC timestamp>/` (untracked) unless --out_dir says
 otherwise; its paths are printed first and last, then a one-line verdict.
-Exit status 1 when a PASS/FAIL claim fails.
+Exit status 1 when a PASS/FAIL claim fails, 2 when strict mode refuses the run.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shlex
 import sys
 
 from detlogp_jax.apps import parity
+from detlogp_jax.backends import StrictModeError
 from detlogp_jax.apps.report import render_markdown, report_paths
 
 __all__ = ["define_flags", "main", "entry"]
@@ -50,6 +51,10 @@ def define_flags():
     return F
 
 
+_FLAG_NAMES = ("backend", "preset", "batch", "steps", "tp", "temperature", "top_k", "top_p", "min_p", "seed",
+               "out_dir", "name", "strict", "baseline", "time_reps", "png")
+
+
 def _config_from_flags(F) -> parity.ValidateConfig:
     command = " ".join(["python", "-m", "detlogp_jax.validate"] + [shlex.quote(a) for a in sys.argv[1:]])
     return parity.ValidateConfig(
@@ -75,7 +80,12 @@ def main(argv) -> int:
     print(f"[validate] backend={cfg.backend} preset={cfg.preset} batch={cfg.batch} steps={cfg.steps} "
           f"strict={cfg.strict}", flush=True)
     _print_paths("to be written", report_paths(cfg.out_dir, cfg.name))
-    report = parity.run_validation(cfg)
+    try:
+        report = parity.run_validation(cfg)
+    except StrictModeError as e:
+        print(f"[validate] strict mode refused: {e}\n[validate] (--nostrict runs a non-contract or "
+              "fallback lane; its rows then carry no contract claim)", file=sys.stderr)
+        return 2
     print(render_markdown(report), flush=True)
     _print_paths("written", report["files"])
     if report.get("png_note"):
@@ -85,8 +95,10 @@ def main(argv) -> int:
 
 
 def entry() -> None:
-    """`python -m detlogp_jax.validate`: absl flag parsing, then `main`."""
+    """`python -m detlogp_jax.validate`: absl flag parsing, then `main` (--help lists these flags)."""
     from absl import app
 
-    define_flags()
+    F = define_flags()
+    for name in _FLAG_NAMES:  # key flags of the main module: what --help shows
+        F.register_key_flag_for_module(sys.argv[0], F[name])
     app.run(main)
