@@ -11,7 +11,7 @@ from flax import nnx
 from detlogp_jax import linear_logp
 from detlogp_jax.flax import LogpHead
 from conftest import assert_bitwise_equal
-from detlogp_jax.toy_lm import ToyLM, ToyLMConfig, shifted_targets
+from detlogp_jax.apps.toy_lm import ToyLM, ToyLMConfig, shifted_targets
 
 V, D = 300, 32
 

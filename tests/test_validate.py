@@ -1,8 +1,11 @@
-"""RL parity validator (`detlogp_jax.validate`) on CPU, small shapes."""
+"""RL parity validation (`detlogp_jax.apps.parity`, `python -m detlogp_jax.validate`) on CPU, tiny shapes."""
 
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,10 +13,13 @@ import pytest
 import jax
 
 from detlogp_jax import StrictModeError, CONTRACT_ID
+from detlogp_jax.apps import parity
+from detlogp_jax.apps.metrics import compare_logp, per_step
+from detlogp_jax.apps.parity import ValidateConfig, resolve_config, run_validation
+from detlogp_jax.apps.report import render_markdown
 from detlogp_jax.fingerprint import FingerprintMismatchError
-from detlogp_jax.validate import ValidateConfig, compare_logp, render_markdown, run_validation
 
-SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "vocab_size": 500}  # padded 512
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +29,8 @@ def report(tmp_path_factory):
     # matrix-matrix product, so the XLA baseline shows drift; the contract lane must not.
     out = tmp_path_factory.mktemp("validate")
     cfg = ValidateConfig(
-        batch=1, steps=12, strict=True, seed=3, top_k=50, top_p=0.95, temperature=0.8,
-        out_dir=str(out), name="validate_test", progress=False, model_overrides=SMALL,
+        preset="tiny", batch=1, steps=12, seed=3, top_k=50, top_p=0.95, temperature=0.8,
+        out_dir=str(out), name="validate_test", progress=False,
     )
     return run_validation(cfg)
 
@@ -41,6 +47,7 @@ def test_operator_row_exactly_zero(report):
     assert op["max_abs_k3"] == 0.0
     assert op["nonfinite"] == 0
     assert report["claims"][0]["status"] == "PASS"
+    assert report["per_step"]["contract_a"] == {"mismatch": [0] * 12, "max_abs_k3": [0.0] * 12}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the drift case is built for XLA:CPU")
@@ -48,9 +55,11 @@ def test_xla_baseline_drifts(report):
     xa = _row(report, "baseline", "(a)")
     assert xa["backend"] == "xla"
     assert xa["mismatch_count"] > 0 and xa["max_abs_diff"] > 0 and xa["max_abs_k3"] > 0
+    assert sum(report["per_step"]["xla_a"]["mismatch"]) == xa["mismatch_count"]
 
 
 def test_replay_fingerprints_provenance(report):
+    assert report["config"]["strict"] is True  # the default
     assert report["replay"] == {"bit_exact": 12, "rows": 12}
     assert report["fingerprints"]["equal"]
     assert report["fallbacks"] == []
@@ -72,28 +81,66 @@ def test_end_to_end_row_present(report):
         assert hd["rows_differ"] > 0
 
 
+def test_verdict_names_what_passed(report):
+    v = report["verdict"]
+    assert "\n" not in v and v.startswith("VERDICT: PASS -- ")
+    for what in ("operator rows exact", "replay exact", "fingerprints equal", "no fallback"):
+        assert what in v
+    if _row(report, "contract", "(b)")["mismatch_count"]:
+        assert "comes from the model body's attention/FFN" in v and "not from the op" in v
+
+
 def test_report_files(report):
     files = report["files"]
-    assert os.path.exists(files["markdown"]) and os.path.exists(files["json"])
+    for kind in ("markdown", "json", "png"):
+        assert os.path.exists(files[kind]), kind
+    assert open(files["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     with open(files["json"]) as fh:
         js = json.load(fh)
     assert js["command"].startswith("run_validation(ValidateConfig(")
     assert js["rows"][0]["mismatch_count"] == 0
+    assert js["files"] == files and js["verdict"] == report["verdict"]
+    assert js["op_timing"]["op_ms"] > 0 and js["op_timing"]["xla_ms"] > 0 and js["op_timing"]["rows_per_call"] == 12
     md = open(files["markdown"]).read()
     assert "| contract | reference | (a) operator" in md and "## Claims" in md
+    assert "`validate_test.png`" in md and md.rstrip().endswith(report["verdict"])
     assert render_markdown(report).startswith("# RL parity validation")
 
 
+def test_defaults_off_hopper(monkeypatch):
+    monkeypatch.setattr(parity, "hopper_available", lambda: False)
+    cfg = resolve_config(ValidateConfig())
+    assert (cfg.backend, cfg.preset, cfg.batch, cfg.steps, cfg.strict) == ("reference", "small", 16, 32, True)
+    assert cfg.out_dir.startswith(parity.DEFAULT_RESULTS_DIR + os.sep) and not os.path.isabs(cfg.out_dir)
+    assert resolve_config(cfg) == cfg  # idempotent
+    explicit = resolve_config(ValidateConfig(backend="xla", preset="tiny", batch=2, steps=3, strict=False, out_dir=None))
+    assert (explicit.backend, explicit.preset, explicit.batch, explicit.steps, explicit.strict, explicit.out_dir) == (
+        "xla", "tiny", 2, 3, False, None)
+
+
+def test_defaults_on_hopper(monkeypatch):
+    monkeypatch.setattr(parity, "hopper_available", lambda: True)
+    cfg = resolve_config(ValidateConfig(out_dir=None))
+    assert (cfg.backend, cfg.preset, cfg.batch, cfg.steps, cfg.strict) == ("pallas_sm90", "qwen3_8b", 64, 128, True)
+
+
+def test_git_rev_outside_a_checkout(monkeypatch, tmp_path):
+    fake = tmp_path / "site-packages" / "detlogp_jax" / "apps" / "parity.py"
+    monkeypatch.setattr(parity, "__file__", str(fake))
+    assert parity.git_rev() is None
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
+    assert parity.git_rev() is None
+
+
 def test_fingerprint_mismatch_raises():
-    cfg = ValidateConfig(batch=1, steps=2, out_dir=None, progress=False, baseline=False,
-                         model_overrides=SMALL, corrupt_trainer_weight=True)
+    cfg = ValidateConfig(preset="tiny", batch=1, steps=2, out_dir=None, progress=False, baseline=False,
+                         corrupt_trainer_weight=True)
     with pytest.raises(FingerprintMismatchError, match="fingerprint mismatch"):
         run_validation(cfg)
 
 
 def test_strict_refuses_xla_lane():
-    cfg = ValidateConfig(backend="xla", strict=True, batch=1, steps=1, out_dir=None, progress=False,
-                         baseline=False, model_overrides=SMALL)
+    cfg = ValidateConfig(backend="xla", preset="tiny", batch=1, steps=1, out_dir=None, progress=False, baseline=False)
     with pytest.raises(StrictModeError):
         run_validation(cfg)
 
@@ -107,3 +154,56 @@ def test_compare_logp_metrics():
     assert m["max_abs_k3"] == pytest.approx(math.exp(0.5) - 1 - 0.5, rel=1e-12)
     z = compare_logp(r, r.copy())
     assert z["mismatch_count"] == 0 and z["max_abs_diff"] == 0.0 and z["max_abs_k3"] == 0.0
+
+
+def test_per_step_metrics():
+    r = np.array([[-1.0, -2.0], [-3.0, -4.0]], np.float32)  # [B=2, S=2]
+    t = r.copy()
+    t[1, 0] = -3.5
+    ps = per_step(r, t)
+    assert ps["mismatch"] == [1, 0]
+    assert ps["max_abs_k3"][0] == pytest.approx(math.exp(-0.5) - 1 + 0.5, rel=1e-12) and ps["max_abs_k3"][1] == 0.0
+
+
+def test_main_job_in_a_fresh_clone_writes_only_its_out_dir(tmp_path):
+    """The CLI with its default out dir, in a fresh clone: report + PNG land there, git status stays empty."""
+    if shutil.which("git") is None or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", ROOT, str(clone)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("DETLOGP_BACKEND", "DETLOGP_STRICT")}
+    env.update(PYTHONPATH=str(clone), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "detlogp_jax.validate", "--preset", "tiny", "--batch", "2", "--steps", "3",
+                        "--time_reps", "1"], cwd=clone, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].startswith("VERDICT: PASS -- ")
+    assert "not from the op" in lines[-1] or "no end-to-end drift" in lines[-1]
+    runs = os.listdir(clone / parity.DEFAULT_RESULTS_DIR)
+    assert len(runs) == 1
+    out = clone / parity.DEFAULT_RESULTS_DIR / runs[0]
+    assert sorted(os.listdir(out)) == ["validate_cpu_tiny.json", "validate_cpu_tiny.md", "validate_cpu_tiny.png"]
+    started = next(ln for ln in lines if ln.startswith("[validate] report to be written:"))
+    written = next(ln for ln in lines if ln.startswith("[validate] report written:"))
+    assert started.split(": ", 1)[1] == written.split(": ", 1)[1]
+    assert os.path.join(parity.DEFAULT_RESULTS_DIR, runs[0], "validate_cpu_tiny.png") in written
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True, check=True)
+    assert status.stdout == "", status.stdout
+    js = json.loads((out / "validate_cpu_tiny.json").read_text())
+    assert js["ok"] and js["config"]["strict"] and js["config"]["backend"] == "reference"
+    assert js["git_rev"] and not js["git_rev"].endswith("-dirty")
+
+
+def test_verdict_on_an_operator_failure(report):
+    import copy
+
+    from detlogp_jax.apps.claims import verdict
+
+    bad = copy.deepcopy(report)
+    bad["rows"][0]["mismatch_count"] = 3
+    next(c for c in bad["claims"] if c["key"] == "operator")["status"] = "FAIL"
+    bad["ok"] = False
+    v = verdict(bad)
+    assert v.startswith("VERDICT: FAIL (operator) -- ") and "operator rows exact" not in v
+    if bad["rows"][1]["mismatch_count"]:
+        assert "not the body's alone" in v

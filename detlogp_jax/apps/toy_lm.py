@@ -10,8 +10,9 @@ Two ways to get final hidden states:
   ([B] -> [B, D]); `init_cache(batch)` makes the cache.
 
 Both compute the same function; their bytes need not match (different
-reduction shapes in attention), which is exactly what `detlogp_jax.validate`
-attributes to the body. For tests and the validator only; not a real model.
+reduction shapes in attention), which is exactly what the parity validation
+(`detlogp_jax.apps.parity`) attributes to the body. An application above the op
+core, for tests and the validator only; not a real model.
 """
 
 from __future__ import annotations
