@@ -170,7 +170,7 @@ def min_bytes(spec: CaseSpec, m: int, itemsize: int) -> float:
     return float(total)
 
 
-# --- inputs (shared by benchmarks.run and benchmarks.trace_calls) ---------------------------
+# --- inputs (shared by benchmarks.run and benchmarks.experiments.trace_calls) ---------------
 
 
 def make_weight(shape: Shape, dtype, seed: int) -> jax.Array:

@@ -171,8 +171,8 @@ def test_progress_log_parser_rebuilds_cases():
 
 
 def test_trace_summary_prefers_device_threads():
-    """benchmarks.trace_summary.summarize: device-stream events only when there are any, per-call means, span."""
-    from benchmarks import trace_summary
+    """benchmarks.experiments.trace_summary.summarize: device-stream events only when there are any, per-call means, span."""
+    from benchmarks.experiments import trace_summary
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]

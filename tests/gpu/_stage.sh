@@ -1,5 +1,6 @@
-# Shared by the tests/gpu/h200_*.sh session scripts: time-boxed stages whose logs land in
-# /tmp/res, packed into $OUT/results.tgz at the end ($OUT returns at most 8 files).
+# Shared by tests/gpu/h200_validate.sh, h200_bench.sh and h200_bench_small_m.sh: time-boxed
+# stages whose logs land in /tmp/res, packed into $OUT/results.tgz at the end ($OUT returns
+# at most 8 files).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 REAL_OUT=${OUT:-/tmp/out}; export OUT=/tmp/res; mkdir -p "$OUT" "$REAL_OUT"
 stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$(date +%s)

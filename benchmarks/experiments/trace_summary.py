@@ -1,4 +1,4 @@
-"""Summaries of JAX profiler traces (Chrome trace format), for benchmarks/trace_calls.py.
+"""Summaries of JAX profiler traces (Chrome trace format), for benchmarks/experiments/trace_calls.py.
 
 No absl flags here, so tests and other tools can import it.
 """

@@ -1,6 +1,6 @@
 """Where one call's time goes: per-kernel device time from a JAX profiler trace.
 
-    python -m benchmarks.trace_calls --shape qwen3_8b --m 1 --backend pallas_sm90 --calls 20
+    python -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 1 --backend pallas_sm90 --calls 20
 
 Runs `--calls` back-to-back calls of the benchmark case (the same jitted function
 `benchmarks.run` times) under `jax.profiler.trace`, reads the Chrome-format
@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import app, flags
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import cases, shapes
-from benchmarks.trace_summary import load_trace, summarize
+from benchmarks.experiments.trace_summary import load_trace, summarize
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("shape", "qwen3_8b", "lm_head shape by name (benchmarks/shapes.py).")

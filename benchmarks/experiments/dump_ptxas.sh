@@ -1,14 +1,14 @@
 #!/bin/bash
 # Compiles the prefill forward kernel once with Mosaic GPU's dump enabled and
 # prints ptxas resource lines (registers, spills) of every kernel compiled.
-# Usage (on the GPU machine): bash benchmarks/dump_ptxas.sh <out_dir> [diag,...]
+# Usage (on the GPU machine): bash benchmarks/experiments/dump_ptxas.sh <out_dir> [diag,...]
 # Env: EPILOGUE_WGS=1|2 (sm90_forward_ws).
 set -u
 out=${1:-/tmp/mosaic_dump}
 mkdir -p "$out"
 MOSAIC_GPU_DUMP_TO="$out" PYTHONPATH=. python3 - "${2:-}" <<'PY'
 import sys, jax, jax.numpy as jnp
-from benchmarks import probe_kernel as pk
+from benchmarks.experiments import probe_kernel as pk
 from pallas_kernels import tuning
 diag = tuple(x for x in sys.argv[1].split(",") if x)
 import dataclasses, os
