@@ -1,7 +1,8 @@
 """Tensor (vocab) and context/data (row) parallel `linear_logp`.
 
-The vocabulary dimension of the lm_head weight [V_pad, D] is sharded by rows
-over a mesh axis (`tp_axis`); rows of hidden/targets may be sharded over other
+The vocabulary dimension of the lm_head weight [V_pad, D] (or of a [D, V_pad]
+Flax kernel, `weight_layout="dv"`, read in place) is sharded over a mesh axis
+(`tp_axis`); rows of hidden/targets may be sharded over other
 mesh axes (`row_axes`). The result is bitwise identical for every TP degree in
 `split_bounds(V_pad).aligned_tp_degrees()` and every row sharding, and equal to
 single-device `linear_logp` with the same backend, because:
@@ -109,6 +110,15 @@ class TPConfig:
     return_logits: bool
     static_offset: int | None = None  # this rank's first column when known statically
     tuning: tuple = ()
+    weight_layout: str = "vd"  # "dv": the shards are [D, V_pad/tp] column blocks of a [D, V_pad] kernel
+
+    @property
+    def v_axis(self) -> int:
+        """The weight axis that indexes the vocabulary (the one sharded over TP)."""
+        return inputs.vocab_axis(self.weight_layout)
+
+    def layout_kwargs(self) -> dict:
+        return {} if self.weight_layout == "vd" else {"weight_layout": self.weight_layout}
 
 
 # --- per-rank forward ---------------------------------------------------------------
@@ -127,7 +137,7 @@ def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offs
         return be.partials(
             h, w, b, t, it,
             vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
-            col_offset=col_offset, shard_cols=cfg.shard, return_logits=cfg.return_logits, **kw,
+            col_offset=col_offset, shard_cols=cfg.shard, return_logits=cfg.return_logits, **cfg.layout_kwargs(), **kw,
         )
 
     ops = (hidden, weight, bias, targets, inv_t)
@@ -191,11 +201,13 @@ def tp_partials_and_fold(
     return_logits: bool = False,
     backend: str = "auto",
     tuning: dict | None = None,
+    weight_layout: str = "vd",
 ):
     """Non-differentiable TP forward for use inside the caller's `jax.shard_map`.
 
     hidden [N, D] (this rank's rows, replicated over `axis_name`),
-    weight_shard [V_pad/tp, D] (global rows [col_offset, col_offset + V_pad/tp)),
+    weight_shard [V_pad/tp, D] (global rows [col_offset, col_offset + V_pad/tp);
+    [D, V_pad/tp] with weight_layout="dv"),
     bias_shard [V_pad/tp] or None, targets [N] int32 global ids, inv_t [N] f32
     (= fl(1/T), e.g. `detlogp_jax.inputs.inv_temperature`). col_offset: None (derived from
     `lax.axis_index(axis_name)`), a traced int scalar, or a static int (only
@@ -204,7 +216,8 @@ def tp_partials_and_fold(
     replicated over `axis_name`.
     """
     cfg, offset = _local_config(
-        hidden, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning
+        hidden, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning,
+        weight_layout,
     )
     return _serve_local(hidden, weight_shard, bias_shard, targets.astype(jnp.int32), inv_t.astype(jnp.float32), offset, cfg)
 
@@ -239,7 +252,8 @@ def _local_backward(cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset,
     g_logp_eff = jnp.where(mine, g_logp, 0.0)
     vocab_loc = jnp.clip(cfg.vocab_size - off, 0, cfg.shard)
     return grad_lib.backward(
-        hidden, weight, bias, t_loc, inv_t, lse, g_logp_eff, g_lse_eff, g_logits, vocab_size=vocab_loc
+        hidden, weight, bias, t_loc, inv_t, lse, g_logp_eff, g_lse_eff, g_logits, vocab_size=vocab_loc,
+        weight_layout=cfg.weight_layout,
     )
 
 
@@ -267,17 +281,18 @@ def _axis_size(axis_name) -> int:
         raise ValueError(f"axis {axis_name!r} is not bound: call inside jax.shard_map over a mesh with that axis") from e
 
 
-def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning):
+def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning,
+                  weight_layout="vd"):
     C.check_no_overrides(tuning)
+    v_axis = inputs.vocab_axis(weight_layout)
     if vocab_size is None or padded_vocab_size is None:
         raise ValueError("vocab_size and padded_vocab_size are required inside shard_map (the global geometry)")
     tp = _axis_size(axis_name)
     shard = check_tp_geometry(padded_vocab_size, tp, vocab_size)
-    if weight.ndim != 2 or weight.shape[0] != shard:
-        raise ValueError(
-            f"weight shard must have shape [V_pad/tp = {padded_vocab_size}/{tp} = {shard}, D], got {weight.shape}"
-        )
-    be, _ = backends.resolve(backend, hidden, weight)
+    if weight.ndim != 2 or weight.shape[v_axis] != shard or weight.shape[1 - v_axis] != hidden.shape[-1]:
+        want = f"[V_pad/tp = {padded_vocab_size}/{tp} = {shard}, D]" if v_axis == 0 else f"[D, V_pad/tp = {shard}]"
+        raise ValueError(f"weight shard must have shape {want} (weight_layout={weight_layout!r}), got {weight.shape}")
+    be, _ = backends.resolve(backend, hidden, weight, weight_layout)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs partials/fold")
     static_offset, offset = None, None
@@ -300,6 +315,7 @@ def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_
         return_logits=bool(return_logits),
         static_offset=static_offset,
         tuning=inputs.tuning_key(tuning),
+        weight_layout=weight_layout,
     )
     return cfg, offset
 
@@ -318,12 +334,14 @@ def linear_logp_local(
     return_logits: bool = False,
     backend: str = "auto",
     tuning: dict | None = None,
+    weight_layout: str = "vd",
 ) -> LogpOutput:
     """Differentiable per-rank `linear_logp` for use inside the caller's `jax.shard_map`.
 
     hidden [..., D]: this rank's rows (replicated over `axis_name`); targets
-    [...] global ids; weight_shard [V_pad/tp, D] and bias [V_pad/tp] hold global
-    vocab rows [col_offset, col_offset + V_pad/tp); col_offset defaults to
+    [...] global ids; weight_shard [V_pad/tp, D] (or [D, V_pad/tp] with
+    weight_layout="dv") and bias [V_pad/tp] hold global vocab rows
+    [col_offset, col_offset + V_pad/tp); col_offset defaults to
     `lax.axis_index(axis_name) * V_pad/tp`. Returns LogpOutput(logp, lse,
     logits) with logp/lse [...] replicated over `axis_name` and logits
     [..., V_pad/tp] this rank's unscaled FP32 columns (-inf at columns >=
@@ -338,13 +356,15 @@ def linear_logp_local(
     inputs.validate_temperature(temperature, targets.shape)
     if tuple(targets.shape) != tuple(lead):
         raise ValueError(f"targets shape {targets.shape} must equal hidden's leading shape {lead}")
-    if bias is not None and tuple(bias.shape) != (weight_shard.shape[0],):
-        raise ValueError(f"bias shard must have shape ({weight_shard.shape[0]},), got {bias.shape}")
+    v_axis = inputs.vocab_axis(weight_layout)
+    if bias is not None and tuple(bias.shape) != (weight_shard.shape[v_axis],):
+        raise ValueError(f"bias shard must have shape ({weight_shard.shape[v_axis]},), got {bias.shape}")
     h2 = hidden.reshape(n, hidden.shape[-1])
     cfg, offset = _local_config(
-        h2, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning
+        h2, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning,
+        weight_layout,
     )
-    t2 = targets.reshape(n).astype(jnp.int32)
+    t2 = inputs.narrow_targets(targets.reshape(n), cfg.vocab_size)
     inv_t = inputs.inv_temperature(temperature, n)
     logp, lse, logits = _local_core(h2, weight_shard, bias, t2, inv_t, offset, cfg)
     return LogpOutput(
@@ -355,8 +375,9 @@ def linear_logp_local(
 # --- global entry point --------------------------------------------------------------
 
 
-def assemble_shards(shards: Sequence, mesh, tp_axis: str = "tp", *, what: str = "weight"):
-    """Builds the global TP-sharded array from a list of per-rank shards (rank order).
+def assemble_shards(shards: Sequence, mesh, tp_axis: str = "tp", *, what: str = "weight", axis: int = 0):
+    """Builds the global TP-sharded array from a list of per-rank shards (rank order),
+    concatenated along `axis` (the vocabulary axis: 0 for [V, D] shards, 1 for [D, V]).
 
     All shards must have one shape (one canonical V_pad = rows * TP for every
     rank) and dtype; a mismatch raises ContractError. Entries for ranks whose
@@ -370,23 +391,24 @@ def assemble_shards(shards: Sequence, mesh, tp_axis: str = "tp", *, what: str = 
     if not present:
         raise ValueError(f"no {what} shard given")
     r0, s0 = present[0]
+    other = lambda shape: tuple(d for i, d in enumerate(shape) if i != axis)
     for r, s in present:
-        if tuple(s.shape[1:]) != tuple(s0.shape[1:]) or jnp.dtype(s.dtype) != jnp.dtype(s0.dtype):
+        if other(s.shape) != other(s0.shape) or jnp.dtype(s.dtype) != jnp.dtype(s0.dtype):
             raise ValueError(
                 f"{what} shard of rank {r} has shape {tuple(s.shape)} / {s.dtype}, rank {r0} has {tuple(s0.shape)} / {s0.dtype}"
             )
-        if s.shape[0] != s0.shape[0]:
+        if s.shape[axis] != s0.shape[axis]:
             raise C.ContractError(
-                f"mismatched canonical vocab between ranks: {what} shard of rank {r} has {s.shape[0]} rows "
-                f"(V_pad = {s.shape[0] * tp}) but rank {r0} has {s0.shape[0]} (V_pad = {s0.shape[0] * tp}); "
+                f"mismatched canonical vocab between ranks: {what} shard of rank {r} has {s.shape[axis]} rows "
+                f"(V_pad = {s.shape[axis] * tp}) but rank {r0} has {s0.shape[axis]} (V_pad = {s0.shape[axis] * tp}); "
                 "every rank must hold V_pad / TP rows of one canonical padded vocab"
             )
-    rows = s0.shape[0]
-    shape = (rows * tp,) + tuple(s0.shape[1:])
-    spec = P(tp_axis, *([None] * (len(shape) - 1)))
+    rows = s0.shape[axis]
+    shape = tuple(rows * tp if i == axis else d for i, d in enumerate(s0.shape))
+    spec = P(*[tp_axis if i == axis else None for i in range(len(shape))])
 
     def cb(index):
-        r = (index[0].start or 0) // rows
+        r = (index[axis].start or 0) // rows
         if shards[r] is None:
             raise ValueError(f"{what} shard of rank {r} is needed on this process but was given as None")
         return shards[r]
@@ -415,7 +437,7 @@ def _specs(cfg: TPConfig, row_entries):
     return dict(
         rows=P(*row_entries),
         hidden=P(*row_entries, None),
-        weight=P(tp_axis, None),
+        weight=P(tp_axis, None) if cfg.v_axis == 0 else P(None, tp_axis),
         bias=P(tp_axis),
         logits=P(*row_entries, tp_axis),
     )
@@ -537,11 +559,14 @@ def linear_logp_tp(
     backend: str = "auto",
     checked: bool | None = None,
     tuning: dict | None = None,
+    weight_layout: str = "vd",
 ) -> LogpOutput:
     """Tensor/context-parallel `linear_logp` over `mesh`.
 
     weight [V_pad, D]: a global array sharded by rows over `tp_axis` (or a list
-    of TP per-rank shards [V_pad/TP, D] in rank order); bias [V_pad] likewise
+    of TP per-rank shards [V_pad/TP, D] in rank order); with
+    weight_layout="dv" a [D, V_pad] kernel sharded over its V axis (or a list
+    of [D, V_pad/TP] shards), read in place; bias [V_pad] likewise
     (or a list). hidden [..., D] and targets [...] (global vocab ids) are
     sharded over `row_axes` (PartitionSpec entries for hidden's leading dims,
     e.g. ("dp",) or (("dp", "cp"),) or ("dp", "cp") for [B, S, D]) and
@@ -558,18 +583,20 @@ def linear_logp_tp(
     C.check_no_overrides(tuning)
     if tp_axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {tp_axis!r} (axes: {tuple(mesh.shape)})")
+    v_axis = inputs.vocab_axis(weight_layout)
     if isinstance(weight, (list, tuple)):
-        weight = assemble_shards(weight, mesh, tp_axis, what="weight")
+        weight = assemble_shards(weight, mesh, tp_axis, what="weight", axis=v_axis)
     if isinstance(bias, (list, tuple)):
         bias = assemble_shards(bias, mesh, tp_axis, what="bias")
     hidden = jnp.asarray(hidden) if isinstance(hidden, np.ndarray) else hidden
     weight = jnp.asarray(weight) if isinstance(weight, np.ndarray) else weight
     bias = jnp.asarray(bias) if isinstance(bias, np.ndarray) else bias
     targets = jnp.asarray(targets) if isinstance(targets, (np.ndarray, list)) else targets
-    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size)
-    if padded != weight.shape[0]:
+    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size,
+                                    weight_layout)
+    if padded != weight.shape[v_axis]:
         raise ValueError(
-            f"weight rows ({weight.shape[0]}) must equal padded_vocab_size ({padded}) under TP: the weight must "
+            f"weight rows ({weight.shape[v_axis]}) must equal padded_vocab_size ({padded}) under TP: the weight must "
             "hold exactly V_pad rows (pad it to contract.canonical_padded_vocab)"
         )
     tp = mesh.shape[tp_axis]
@@ -586,7 +613,8 @@ def linear_logp_tp(
         inputs.check_targets(targets, vocab)
 
     n = math.prod(lead)
-    be, fallback = backends.resolve(backend, jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype), weight)
+    h_spec = jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype)
+    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs its partials/fold")
     inputs.record_provenance(be, fallback, vocab, padded, backend)
@@ -602,13 +630,14 @@ def linear_logp_tp(
         padded_vocab_size=padded,
         return_logits=bool(return_logits),
         tuning=inputs.tuning_key(tuning),
+        weight_layout=weight_layout,
     )
     inv_t = inputs.inv_temperature(temperature, n).reshape(lead)
-    t = targets.astype(jnp.int32)
+    t = inputs.narrow_targets(targets, vocab)
     if _explicit_axes(mesh):
         put = lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec))
         hidden = put(hidden, P(*row_entries, None))
-        weight = put(weight, P(tp_axis, None))
+        weight = put(weight, _specs(cfg, row_entries)["weight"])
         bias = None if bias is None else put(bias, P(tp_axis))
         t = put(t, P(*row_entries))
         inv_t = put(inv_t, P(*row_entries))
