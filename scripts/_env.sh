@@ -10,13 +10,13 @@ pick_python() {
   done
   echo "error: Python >= 3.12 is required (pyenv: 'pyenv install 3.12')" >&2; return 1
 }
-STAMP=".venv/.deps-$(sha256sum requirements.lock | cut -c1-16)"
+STAMP=".venv/.deps-$(sha256sum requirements/cpu.lock | cut -c1-16)"
 if [ ! -x .venv/bin/python ] || [ ! -f "$STAMP" ]; then
   PY="$(pick_python)"
-  echo "[setup] creating .venv with $("$PY" --version) and pinned deps (requirements.lock)" >&2
+  echo "[setup] creating .venv with $("$PY" --version) and pinned deps (requirements/cpu.lock)" >&2
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -r requirements.lock
+  .venv/bin/python -m pip install -q -r requirements/cpu.lock
   rm -f .venv/.deps-*; touch "$STAMP"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
