@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv (pinned) and runs the whole CPU suite.
+# The test command: sets up the platform's interpreter and runs the whole suite.
 # GPU tests skip without a Hopper GPU; extra pytest args pass through.
+# Platform setup (DETLOGP_PLATFORM, DETLOGP_SETUP=plan, ...): see scripts/_env.sh.
+DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider tests"; [ $# -eq 0 ] || DETLOGP_WHAT+="$(printf ' %q' "$@")"
 source "$(dirname "$0")/_env.sh"
 exec "$PYTHON" -m pytest -q -p no:cacheprovider tests "$@"
