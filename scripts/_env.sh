@@ -100,7 +100,7 @@ fi
 # auto on a GPU machine: can the base interpreter serve as it is (jax == pin, GPU seen)?
 dl_probe_system() {
   local out
-  out="$(JAX_PLATFORMS="${JAX_PLATFORMS-cuda,cpu}" timeout 300 "$DL_PY" "$ROOT/scripts/_setup_check.py" probe "$DL_JAX_VERSION" 2>/dev/null)" ||
+  out="$(JAX_PLATFORMS="${JAX_PLATFORMS-cuda,cpu}" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "$DL_PY" "$ROOT/scripts/_setup_check.py" probe "$DL_JAX_VERSION" 2>/dev/null)" ||
     out="no could not be probed (exit $?)"
   DL_SYS_GPU=0
   case "$out" in gpu\ *) DL_SYS_GPU=1 ;; esac
@@ -239,7 +239,8 @@ case "$DL_PLATFORM" in
   system) [ "$DL_GPU" != ok ] || _dl_want_gpu=1 ;;
 esac
 _dl_rc=0
-_dl_out="$(DETLOGP_CHECK_PLATFORM="$DL_PLATFORM" DETLOGP_CHECK_WHERE="$_dl_where" \
+# (XLA_PYTHON_CLIENT_PREALLOCATE=false: the check need not grab 75% of the GPU's memory.)
+_dl_out="$(XLA_PYTHON_CLIENT_PREALLOCATE=false DETLOGP_CHECK_PLATFORM="$DL_PLATFORM" DETLOGP_CHECK_WHERE="$_dl_where" \
   DETLOGP_CHECK_WANT_GPU="$_dl_want_gpu" DETLOGP_CHECK_DRIVER="$DL_DRIVER" DETLOGP_CHECK_JAX="$DL_JAX_VERSION" \
   "$PYTHON" "$ROOT/scripts/_setup_check.py" check 2>/dev/null)" || _dl_rc=$?
 case "$_dl_rc:$_dl_out" in
