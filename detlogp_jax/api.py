@@ -26,11 +26,20 @@ from detlogp_jax import inputs, row_sharding, vma
 from detlogp_jax.inputs import last_provenance
 
 class LogpOutput(NamedTuple):
-    """logp [...] f32, lse [...] f32 (of logits / T), logits [..., vocab_size] f32 or None."""
+    """logp [...] f32, lse [...] f32 (of logits / T), logits [..., vocab_size] f32 or None,
+    and the provenance of the computation that produced them.
+
+    `provenance` is a static pytree node (no arrays): returned from a jitted function it
+    comes back with every call, cached or not, as the record of that function's trace.
+    """
 
     logp: jax.Array
     lse: jax.Array
     logits: jax.Array | None = None
+    provenance: C.Provenance | None = None
+
+
+jax.tree_util.register_static(C.Provenance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +169,12 @@ def linear_logp(
 
     h_spec = jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype)
     be, fallback = backends.resolve(backend, h_spec, weight, weight_layout)
-    inputs.record_provenance(be, fallback, vocab, padded, backend)
+    backends.guard_strict(be, fallback)
+    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout)
     cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning), weight_layout)
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
-        return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None)
+        return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None, prov)
     if not hasattr(temperature, "shape"):
         temperature = jnp.asarray(temperature, jnp.float32)  # a runtime value: no retrace per T
     if isinstance(targets, np.ndarray):  # range-checked on the host, in its own width
@@ -172,9 +182,11 @@ def linear_logp(
     run = functools.partial(_run, cfg=cfg)
     rows = row_sharding.explicit_rows(hidden, weight, bias)
     if rows is not None:
-        return LogpOutput(*row_sharding.run_per_shard(
-            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits))
-    return LogpOutput(*run(hidden, weight, bias, targets, temperature))
+        out = row_sharding.run_per_shard(run, *rows, hidden, weight, bias, targets, temperature,
+                                         logits=cfg.return_logits)
+    else:
+        out = run(hidden, weight, bias, targets, temperature)
+    return LogpOutput(*out, provenance=prov)
 
 
 def _run(hidden, weight, bias, targets, temperature, *, cfg: _Config):

@@ -18,7 +18,6 @@ backend is registered as unavailable with the import error as its reason.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import importlib
 import importlib.metadata
@@ -119,24 +118,46 @@ def available() -> tuple[str, ...]:
 
 
 # --- strict mode ---------------------------------------------------------------
-_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("detlogp_strict", default=None)
+# Strict mode is part of every jit cache key (a JAX user context): a function traced
+# outside `strict_mode()` and called inside it is traced again, and the new trace
+# refuses what strict mode forbids. DETLOGP_STRICT is read at trace time too; a trace
+# that strict mode would refuse also checks it at run time (`strict_guard`), so
+# setting it after the first trace makes the cached call raise instead of serving.
+_STRICT = jax.make_user_context(default_value=None)
+
+
+def _env_strict() -> bool:
+    return os.environ.get("DETLOGP_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def is_strict() -> bool:
-    value = _STRICT.get()
-    if value is not None:
-        return value
-    return os.environ.get("DETLOGP_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
+    """The `strict_mode()` context if one is active, else DETLOGP_STRICT."""
+    value = _STRICT.value
+    return _env_strict() if value is None else bool(value)
 
 
 @contextlib.contextmanager
 def strict_mode(enabled: bool = True):
     """Within this context only contract-bearing backends serve, with no fallback."""
-    token = _STRICT.set(enabled)
-    try:
+    with _STRICT(bool(enabled)):
         yield
-    finally:
-        _STRICT.reset(token)
+
+
+def guard_strict(backend: Backend, fallback: bool) -> None:
+    """Called where a call's backend is chosen, inside the caller's trace. When strict
+    mode would refuse this choice (a non-contract lane or a fallback) and only
+    DETLOGP_STRICT decided (no `strict_mode()` context, whose value is in the jit
+    key), adds a run-time check that raises StrictModeError at the call if
+    DETLOGP_STRICT has been set since the trace. Strict-clean traces get no check."""
+    if _STRICT.value is not None or (backend.contract_bearing and not fallback):
+        return
+    what = "a fallback to the reference backend" if fallback else f"the non-contract backend {backend.name!r}"
+
+    def check():
+        if _env_strict():
+            raise StrictModeError(f"DETLOGP_STRICT is set, but this cached computation was traced without it and serves {what}")
+
+    jax.debug.callback(check)
 
 
 def preferred() -> str:
@@ -174,10 +195,9 @@ def resolve(requested: str, hidden, weight, weight_layout: str = "vd") -> tuple[
         return backend, False
     if strict:
         raise StrictModeError(f"{reason}; strict mode forbids falling back")
-    if requested != "auto" and target != "reference":
-        warnings.warn(f"{reason}; falling back to the reference backend", stacklevel=3)
-    elif requested == "auto":
-        warnings.warn(f"{reason}; auto falls back to the reference backend", stacklevel=3)
+    if requested != "auto":  # an explicit backend (argument or DETLOGP_BACKEND) never falls back
+        raise BackendUnavailableError(f"{reason}; use backend='auto' to let the library choose")
+    warnings.warn(f"{reason}; auto falls back to the reference backend", stacklevel=3)
     return get("reference"), True
 
 

@@ -305,10 +305,14 @@ class Provenance:
     n_split: int
     requested_backend: str
     fallback: bool
+    weight_layout: str = "vd"
     constants: Mapping[str, Any] = dataclasses.field(default_factory=contract_constants)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def __hash__(self):  # a static pytree node (it rides on LogpOutput through jit): hashable
+        return hash(repr(sorted(self.as_dict().items())))
 
 
 def describe_splits(padded_vocab_size: int) -> str:

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -169,7 +170,8 @@ def narrow_targets(targets, vocab_size: int):
         keep = keep & (targets < vocab_size)
     if np.issubdtype(dtype, np.signedinteger) and info.min <= C.IGNORE_INDEX:
         keep = keep | (targets == C.IGNORE_INDEX)
-    return xp.where(keep, targets, -1).astype(xp.int32)
+    kept = xp.where(keep, targets, 0).astype(xp.int32)  # exact: kept values fit in int32
+    return xp.where(keep, kept, -1)
 
 
 def tuning_key(tuning) -> tuple:
@@ -177,9 +179,27 @@ def tuning_key(tuning) -> tuple:
     return tuple(sorted((tuning or {}).items()))
 
 
+@jax.custom_jvp
+def _undifferentiable_temperature(t):
+    return t
+
+
+@functools.partial(_undifferentiable_temperature.defjvp, symbolic_zeros=True)
+def _temperature_jvp(primals, tangents):
+    (t,), (dt,) = primals, tangents
+    if not isinstance(dt, jax.custom_derivatives.SymbolicZero):
+        raise TypeError(
+            "linear_logp is not differentiable with respect to the temperature yet (its exact gradient "
+            "needs the entropy statistic); pass the temperature through jax.lax.stop_gradient"
+        )
+    return t, jnp.zeros_like(t)
+
+
 def inv_temperature(temperature, n_rows: int):
-    """fl(1/T) [n_rows] f32 for a scalar or per-row temperature; NaN where T <= 0 or not finite."""
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1), (n_rows,))
+    """fl(1/T) [n_rows] f32 for a scalar or per-row temperature; NaN where T <= 0 or not finite.
+    Differentiating through it raises (a silent zero gradient would be wrong)."""
+    temperature = _undifferentiable_temperature(jnp.asarray(temperature, jnp.float32))
+    t = jnp.broadcast_to(temperature.reshape(-1), (n_rows,))
     inv = numerics.inv_temperature(t, n_rows)
     # A traced non-positive temperature makes only its own row NaN.
     return jnp.where((t > 0) & jnp.isfinite(t), inv, jnp.nan)
@@ -189,11 +209,14 @@ _LAST_PROVENANCE: list[C.Provenance] = []
 
 
 def last_provenance() -> C.Provenance | None:
-    """Provenance of the most recent call of an entry point (recorded at trace time)."""
+    """Provenance of the most recent entry-point call that ran Python: an eager call, or
+    the trace of a jitted one. A cached jitted call runs no Python and records nothing;
+    its own record is `LogpOutput.provenance` of the output it returns."""
     return _LAST_PROVENANCE[-1] if _LAST_PROVENANCE else None
 
 
-def make_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
+def make_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str,
+                    weight_layout: str = "vd") -> C.Provenance:
     """The provenance record of a call served by `be` (requested as `requested`)."""
     info = backends.platform_info()
     return C.Provenance(
@@ -210,11 +233,13 @@ def make_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: in
         n_split=C.n_split(padded),
         requested_backend=requested,
         fallback=fallback,
+        weight_layout=weight_layout,
     )
 
 
-def record_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str) -> C.Provenance:
+def record_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str,
+                      weight_layout: str = "vd") -> C.Provenance:
     """Builds the call's provenance and makes it the one `last_provenance()` reports."""
-    prov = make_provenance(be, fallback, vocab, padded, requested)
+    prov = make_provenance(be, fallback, vocab, padded, requested, weight_layout)
     _LAST_PROVENANCE[:] = [prov]
     return prov

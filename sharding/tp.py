@@ -292,7 +292,8 @@ def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_
     if weight.ndim != 2 or weight.shape[v_axis] != shard or weight.shape[1 - v_axis] != hidden.shape[-1]:
         want = f"[V_pad/tp = {padded_vocab_size}/{tp} = {shard}, D]" if v_axis == 0 else f"[D, V_pad/tp = {shard}]"
         raise ValueError(f"weight shard must have shape {want} (weight_layout={weight_layout!r}), got {weight.shape}")
-    be, _ = backends.resolve(backend, hidden, weight, weight_layout)
+    be, fallback = backends.resolve(backend, hidden, weight, weight_layout)
+    backends.guard_strict(be, fallback)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs partials/fold")
     static_offset, offset = None, None
@@ -617,10 +618,11 @@ def linear_logp_tp(
     be, fallback = backends.resolve(backend, h_spec, weight, weight_layout)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs its partials/fold")
-    inputs.record_provenance(be, fallback, vocab, padded, backend)
+    backends.guard_strict(be, fallback)
+    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout)
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
-        return LogpOutput(empty, empty, jnp.zeros(lead + (padded,), jnp.float32) if return_logits else None)
+        return LogpOutput(empty, empty, jnp.zeros(lead + (padded,), jnp.float32) if return_logits else None, prov)
     cfg = TPConfig(
         backend=be.name,
         axis_name=tp_axis,
@@ -644,4 +646,4 @@ def linear_logp_tp(
     logp, lse, logits = _tp_impl(
         hidden, weight, bias, t, inv_t, cfg=cfg, mesh=mesh, row_entries=row_entries
     )
-    return LogpOutput(logp, lse, logits)
+    return LogpOutput(logp, lse, logits, prov)
