@@ -286,6 +286,8 @@ def select_bucket(n_rows: int, bucket: "str | ForwardConfig | None" = None) -> F
   experiments, a `WgmmaForwardConfig` / `WsForwardConfig`)."""
   if isinstance(bucket, ForwardConfig):
     return bucket
+  if bucket is not None and not isinstance(bucket, str):
+    raise TypeError(f"bucket must be a bucket name or a WgmmaForwardConfig / WsForwardConfig, got {bucket!r}")
   if bucket is not None:
     if bucket not in BUCKETS:
       raise ValueError(f"unknown bucket {bucket!r}; known: {sorted(BUCKETS)}")

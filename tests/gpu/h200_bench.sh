@@ -12,5 +12,5 @@ stage bench_serve_bwd 100 bash -c "python3 -m benchmarks.run --shape qwen3_8b --
 # the third session ran ws_pipe).
 g=${PROBE_GROUP:-fold}
 TAILN=12 stage trace_m1 40 python3 -m benchmarks.trace_calls --shape qwen3_8b --m 1 --backend pallas_sm90 --calls 10 --json "$OUT/trace_m1.json"
-TAILN=12 stage "probe_$g" 60 python3 -m benchmarks.probe_kernel --groups "$g" --out "$OUT/probe_$g.jsonl" --budget_s 50
+TAILN=12 stage "probe_$g" 60 python3 -m benchmarks.experiments.probe_kernel --groups "$g" --out "$OUT/probe_$g.jsonl" --budget_s 50
 finish
