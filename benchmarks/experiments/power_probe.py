@@ -21,7 +21,6 @@ import time
 from absl import app, flags
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks import baselines
 from benchmarks.experiments import kernel_timing as kt
