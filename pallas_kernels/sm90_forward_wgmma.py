@@ -88,7 +88,7 @@ def build(
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
   row_l, col_l = common.row_layout(), common.col_layout()
   extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
-  # (pipeline_stages is at least 2 > delay_release, so the delayed release always has a slot.)
+  # pipeline_stages gives at least 2 > delay_release (0 or 1); a K walk of fewer steps has no delay.
   stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
   delay = cfg.delay_release if stages > cfg.delay_release else 0
   slots = cfg.logits_slots
