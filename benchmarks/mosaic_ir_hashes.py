@@ -8,9 +8,12 @@ CPU-only machine) and prints the sha256 of its Mosaic module printed without deb
 locations, i.e. the program Mosaic hands to its compiler. Identical lines before and
 after a refactor mean the GPU runs the same kernels (so the H200 validation still
 holds); a changed line names the variant that a GPU run must check again. Variants:
-the forward kernel of every bucket plus two off-by-default knobs (delay_release,
-cluster), trainer and serving entries, with and without bias, at the Qwen3-8B
-shape and a small one; the backward's dz kernel; both fold layouts.
+the forward kernel of every bucket plus two off-by-default knobs (delay_release on
+the chain-in-wgmma kernel, cluster on the ws kernel), trainer and serving entries,
+with and without bias, at the Qwen3-8B shape and a small one; the backward's dz
+kernel; both fold layouts. Each kernel is built through its module's public `build`
+with the static arguments `pallas_kernels.wrapper.partials` (or `sm90_dz.dz_chunk`,
+`pk.fold`) would pass.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core as mosaic_core
 
 import pallas_kernels as pk
-from pallas_kernels import sm90_backward, sm90_forward, tuning
+from pallas_kernels import sm90_dz, sm90_forward_wgmma, sm90_forward_ws, tuning
 
 _captured: list[str] = []
 
@@ -58,12 +61,21 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _lower(build, args, **static):
+  """Lowers build(**static)(*args) for CUDA (the Mosaic module is captured on the way)."""
+  jax.jit(lambda *a: build(**static)(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _forward_build(cfg):
+  return (sm90_forward_ws if isinstance(cfg, tuning.WsForwardConfig) else sm90_forward_wgmma).build
+
+
 def forward_hashes():
   configs = dict(tuning.BUCKETS)
   configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
   configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
   for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):
-    geom = sm90_forward.shard_geometry(v, v_rows)
+    geom = pk.shard_geometry(v, v_rows)
     for name, cfg in configs.items():
       n_pad = tuning.padded_rows(m, cfg)
       for logits in (False, True):
@@ -72,10 +84,8 @@ def forward_hashes():
           if bias:
             args.append(_sds((v_rows + 64 * geom.tiles_per_group * (geom.n_groups + 1),), jnp.float32))
           args += [_sds((n_pad,), jnp.int32), _sds((n_pad,), jnp.float32)]
-          sm90_forward._forward_core.trace(
-              *args, n_pad=n_pad, d=d, lg_cols=v, geom=geom, cfg=cfg, has_bias=bias, return_logits=logits,
-              num_ctas=132, interpret=False, interpret_params=None, lg_rows=m, fused_ptx=True, diag=(),
-          ).lower(lowering_platforms=("cuda",))
+          _lower(_forward_build(cfg), args, n_pad=n_pad, d=d, lg_cols=v, geom=geom, cfg=cfg, has_bias=bias,
+                 return_logits=logits, num_ctas=132, interpret=False, interpret_params=None, lg_rows=m)
           yield f"forward M={m} {name} logits={logits} bias={bias}", _take()
 
 
@@ -85,8 +95,8 @@ def backward_hashes():
     args = [_sds((n, d), jnp.bfloat16), _sds((chunk, d), jnp.bfloat16)]
     args += [_sds((chunk,), jnp.float32)] if bias else []
     args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4 + [_sds((2,), jnp.int32)]
-    sm90_backward._dz_core.trace(*args, n_pad=n, d=d, chunk=chunk, has_bias=bias, num_ctas=132, interpret=False,
-                                 interpret_params=None).lower(lowering_platforms=("cuda",))
+    _lower(sm90_dz.build, args, n_pad=n, d=d, chunk=chunk, has_bias=bias, num_ctas=132, interpret=False,
+           interpret_params=None)
     yield f"backward dz bias={bias}", _take()
 
 

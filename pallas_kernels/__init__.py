@@ -5,18 +5,29 @@ Interface (mirrors `detlogp_jax.reference`):
            col_offset=0, shard_cols=None, return_logits=False)
       -> (m [N, n_local], s [N, n_local], z_t [N], owned [N], logits [N, Vl] | None)
   fold(m, s, z_t, targets, inv_t, vocab_size) -> (logp [N], lse [N])
-plus `is_available()`, `supports(hidden, weight)`, and the bit-neutral
-launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
+plus `is_available()`, `unavailable_reason()`, `supports(hidden, weight)`,
+`shard_geometry`, the launch table `BUCKETS` / `select_bucket`, the
+bit-neutral launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
 
 Supported: bf16 hidden and weight, D a positive multiple of 64, a CUDA GPU of
 compute capability 9.x (or interpret mode on any host).
+
+Modules: `wrapper` (host side: `partials`, `unsupported`), one per kernel
+(`sm90_forward_wgmma`: the chain in the wgmma warpgroups; `sm90_forward_ws`:
+the chain in dedicated epilogue warpgroups; `sm90_fold`: the split fold;
+`sm90_dz`: the backward's dz), `common` (what the kernels share: tile
+constants, shard geometry, work items, the chain step, layouts, outputs),
+`tuning` (one frozen config per kernel, the bucket table, bit-neutral
+geometry), `tile_math` / `ptx_ops` / `ptx_programs` (the contract's per-tile
+arithmetic), `interpret_utils`, and `backend` (the registry entry).
 """
 
 from __future__ import annotations
 
+from pallas_kernels.common import shard_geometry
 from pallas_kernels.sm90_fold import fold
-from pallas_kernels.sm90_forward import partials, shard_geometry, unsupported
 from pallas_kernels.tuning import BUCKETS, select_bucket
+from pallas_kernels.wrapper import partials, unsupported
 
 BACKEND_NAME = "pallas_sm90"
 

@@ -10,7 +10,7 @@ from detlogp_jax.backends import Backend, DzKernel
 def backend_entry() -> Backend:
   """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
   import pallas_kernels as pk
-  from pallas_kernels import sm90_backward
+  from pallas_kernels import sm90_dz, wrapper
 
   return Backend(
       name="pallas_sm90",
@@ -20,9 +20,10 @@ def backend_entry() -> Backend:
       partials=pk.partials,
       fold=pk.fold,
       dz=DzKernel(
-          fn=sm90_backward.dz_chunk,
-          supports=lambda h, w, chunk: h.dtype == jnp.bfloat16 and sm90_backward.supported(h, w, chunk),
-          row_multiple=sm90_backward.ROWS_PER_CTA,
+          fn=sm90_dz.dz_chunk,
+          supports=lambda h, w, chunk: (h.dtype == jnp.bfloat16 and wrapper.unsupported(h, w) is None
+                                        and sm90_dz.chunk_supported(chunk)),
+          row_multiple=sm90_dz.ROWS_PER_CTA,
       ),
       description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
       knobs=frozenset({"bucket", "num_ctas"}),

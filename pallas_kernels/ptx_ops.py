@@ -17,11 +17,13 @@ two such objects:
   zero so XLA:CPU cannot contract or re-associate; XLA:CPU arithmetic is
   FTZ/DAZ, so the results equal the oracle's.
 
-Both also provide `exp_diff(a, b)` = pexp(fl(a - b)). On the GPU it is, by
-default, ONE straight-line PTX block per lane (`ptx_programs.PEXP_DIFF`, whose
-exact text is executed against the oracle by a numpy simulator in the CPU
-tests); that keeps the kernel IR ~10x smaller than emitting `numerics.pexp`
-op by op (`PtxOps(fused=False)`, kept for cross-checks; same bits).
+Both also provide `exp_diff(a, b)` = pexp(fl(a - b)). On the GPU it is ONE
+straight-line PTX block per lane (`ptx_programs.PEXP_DIFF`, whose exact text
+is executed against the oracle by a numpy simulator in the CPU tests); that
+keeps the kernel IR ~10x smaller than emitting `numerics.pexp` op by op.
+
+`lift_ptx`, `lift_program` and `PTX` are public for the fold's `inline_mgpu`
+blocks (`sm90_fold`), which emit the same instructions on FragmentedArrays.
 
 Exact operations (compare, select, max, integer shifts/adds, bitcasts) are
 used directly on register arrays; they need no pinning.
@@ -39,17 +41,17 @@ from detlogp_jax import numerics
 
 F32 = jnp.float32
 
-_PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32"}
+PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32"}
 
 
-def _lift_ptx(instr: str):
+def lift_ptx(instr: str):
   """A per-register lowering of a binary f32 PTX instruction on FragmentedArrays."""
   from jax.experimental.mosaic import gpu as mgpu  # Lazy: only needed at lowering time.
 
   return mgpu.FragmentedArray._lift_fast_instr(instr)
 
 
-def _lift_program(prog):
+def lift_program(prog):
   """Per-register application of a `ptx_programs.Program` (one asm per element)."""
   from jaxlib.mlir import ir  # Lazy: lowering time only.
   from jaxlib.mlir.dialects import llvm, vector
@@ -100,15 +102,11 @@ class PtxOps:
   constants are folded into the instruction as immediates-in-registers.
   """
 
-  def __init__(self, layout_of: Callable[[tuple[int, ...]], object], fused: bool = True):
+  def __init__(self, layout_of: Callable[[tuple[int, ...]], object]):
     self._layout_of = layout_of
-    # fused=True: exp_diff is one straight-line PTX block per lane
-    # (ptx_programs.PEXP_DIFF); False: numerics.pexp op by op (same bits, far
-    # more IR, kept for cross-checking).
-    self.fused = fused
 
   def _binary(self, name: str, a, b):
-    instr = _PTX[name]
+    instr = PTX[name]
     ca, cb = _const_value(a), _const_value(b)
     if ca is not None and cb is not None:
       raise ValueError("PtxOps needs at least one array operand")
@@ -128,21 +126,21 @@ class PtxOps:
       @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=ret)
       def op2(ctx, x, y):
         del ctx
-        return x._pointwise(_lift_ptx(instr), y)
+        return x._pointwise(lift_ptx(instr), y)
 
       return op2(as_arr(a), as_arr(b))
     if cb is not None:
       @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
       def op_rc(ctx, x):
         del ctx
-        return x._pointwise(_lift_ptx(instr), cb)
+        return x._pointwise(lift_ptx(instr), cb)
 
       return op_rc(as_arr(a))
 
     @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
     def op_cr(ctx, y):
       del ctx
-      return y._pointwise(lambda v, c: _lift_ptx(instr)(c, v), ca)
+      return y._pointwise(lambda v, c: lift_ptx(instr)(c, v), ca)
 
     return op_cr(as_arr(b))
 
@@ -160,7 +158,7 @@ class PtxOps:
     shape = tuple(jnp.shape(arrays[0]))
     layout = self._layout_of(shape)
     ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
-    fn = _lift_program(prog)
+    fn = lift_program(prog)
 
     @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=ret)
     def run(ctx, first, *rest):
@@ -171,8 +169,6 @@ class PtxOps:
 
   def exp_diff(self, a, b):
     """pexp(fl(a - b)) (contract exp of a rounded difference), one PTX block per lane."""
-    if not self.fused:
-      return numerics.pexp(self.sub(a, b), self)
     from pallas_kernels import ptx_programs
 
     return self.program(ptx_programs.PEXP_DIFF, a, b)
@@ -187,9 +183,9 @@ class InterpretOps(numerics.XlaOps):
     return numerics.pexp(self.sub(a, b), self)
 
 
-def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], source=None, fused: bool = True):
+def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], source=None):
   """The ops object for a kernel body: InterpretOps on CPU, PtxOps on GPU.
 
   `source`: a runtime array of the kernel (interpret mode: seeds the opaque zero).
   """
-  return InterpretOps(numerics.opaque_zero(source)) if interpret else PtxOps(layout_of, fused=fused)
+  return InterpretOps(numerics.opaque_zero(source)) if interpret else PtxOps(layout_of)

@@ -12,7 +12,8 @@ the GPU, `ptx_ops.InterpretOps` in interpret mode); the sequential order over sp
 is fixed and independent of N, the row block, the grid and every knob below.
 Rows are independent: no row's bits depend on any other row.
 
-Two layouts of the same program (`build_fold(staged=...)`):
+Two layouts of the same program (`tuning.FoldConfig.staged`; the shipped
+config is `tuning.FOLD`):
 
 * staged=True (default): a CTA (one warpgroup) folds `rows` (32 or 64) rows.
   All of its partials are first brought into shared memory by TMA (chunks
@@ -68,6 +69,7 @@ Two layouts of the same program (`build_fold(staged=...)`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -77,49 +79,46 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import contract as C
-from pallas_kernels import interpret_utils, ptx_ops, tile_math
+from pallas_kernels import interpret_utils, ptx_ops, tile_math, tuning
 
 F32 = jnp.float32
 FOLD_ROWS = 128  # rows per CTA of staged=False; a row padding that suits every variant (bit-neutral)
-UNROLL = 8  # staged=False: splits per loop trip of both passes (bit-neutral)
-CHAIN_UNROLL = 32  # staged=True: splits per loop trip of the chain (bit-neutral)
-STAGED = True  # default layout (see the module docstring)
-ROWS = 32  # rows per CTA of staged=True (32 or 64; bit-neutral)
-CHUNK = 64  # splits per TMA copy of staged=True (a multiple of 128 / rows, <= 256, raised to
-# ceil(n_split / 32) at least; bit-neutral)
+UNROLL = 8  # staged=False: default splits per loop trip of both passes (bit-neutral)
+CHAIN_UNROLL = 32  # staged=True: default splits per loop trip of the chain (bit-neutral)
 SMEM_LIMIT = 200 * 1024  # staged=True keeps all partials of its rows in SMEM; above this, use staged=False
 
 
-def row_block(*, staged: bool = STAGED, rows: int = ROWS) -> int:
+def row_block(cfg: tuning.FoldConfig = tuning.FOLD) -> int:
   """Rows per CTA of a variant (n_pad must be a multiple of it)."""
-  return rows if staged else FOLD_ROWS
+  return cfg.rows if cfg.staged else FOLD_ROWS
 
 
-def staged_fits(n_split: int, rows: int = ROWS) -> bool:
+def staged_fits(n_split: int, rows: int = tuning.FOLD.rows) -> bool:
   """Whether staged=True can hold n_split splits of `rows` rows in SMEM."""
   g = 128 // rows
   k = -(-n_split // g)
   return 2 * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
 
 
-def build_fold(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None,
-               unroll: int | None = None, staged: bool = STAGED, rows: int = ROWS, chunk: int = CHUNK):
+def build(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None,
+          cfg: tuning.FoldConfig = tuning.FOLD):
   """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
 
-  Knobs (none changes a bit): `staged` picks the layout (module docstring);
-  `unroll` = splits per loop trip (staged: of the chain, default
+  `cfg` (no field changes a bit): `staged` picks the layout (module
+  docstring); `unroll` = splits per loop trip (staged: of the chain, default
   CHAIN_UNROLL; not staged: of both passes, default UNROLL); `rows` = rows
   per CTA and `chunk` = splits per TMA copy (staged only). n_pad must be a
-  multiple of `row_block(staged=, rows=)`.
+  multiple of `row_block(cfg)`.
   """
+  if not isinstance(cfg, tuning.FoldConfig):
+    raise TypeError(f"sm90_fold needs a tuning.FoldConfig, got {type(cfg).__name__}")
+  unroll = cfg.unroll
   if unroll is None:
-    unroll = CHAIN_UNROLL if staged else UNROLL
-  if unroll < 1:
-    raise ValueError(f"unroll must be >= 1, got {unroll}")
+    unroll = CHAIN_UNROLL if cfg.staged else UNROLL
   kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
-  if staged:
+  if cfg.staged:
     return _build_staged(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll,
-                         rows=rows, chunk=chunk, kw=kw)
+                         rows=cfg.rows, chunk=cfg.chunk, kw=kw)
   return _build_rowloop(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll, kw=kw)
 
 
@@ -136,15 +135,9 @@ def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size):
 
 
 def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw):
-  if rows not in (32, 64):
-    # rows * 4 bytes per TMA row must be a multiple of 128 (the per-thread
-    # arrival split of Pallas' TMA), and rows = 128 would not fit in SMEM.
-    raise ValueError(f"staged fold: rows must be 32 or 64, got {rows}")
-  br = rows
+  br = rows  # (rows and chunk are checked by tuning.FoldConfig)
   g_n = 128 // br  # split groups per row
   assert n_pad % br == 0, (n_pad, br)
-  if chunk % g_n or not 0 < chunk <= 256:
-    raise ValueError(f"staged fold: chunk must be a multiple of {g_n} in (0, 256], got {chunk}")
   # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
   # barriers per array: raise chunk to the smallest that needs <= 32.
   chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
@@ -351,8 +344,8 @@ class _SmemBlocks:
     def run(ctx, m_ref, s_ref, big_m):
       del ctx
       mgpu = self._mgpu()
-      exp_diff = ptx_ops._lift_program(ptx_programs.PEXP_DIFF)
-      mul = ptx_ops._lift_ptx(ptx_ops._PTX["mul"])
+      exp_diff = ptx_ops.lift_program(ptx_programs.PEXP_DIFF)
+      mul = ptx_ops.lift_ptx(ptx_ops.PTX["mul"])
       one = mgpu.FragmentedArray.splat(mgpu.c(1.0, ir.F32Type.get()), self.shape, layout=big_m.layout)
       ms = [self._load(m_ref, u * self.g_n) for u in range(count)]
       ss = [self._load(s_ref, u * self.g_n) for u in range(count)]
@@ -369,7 +362,7 @@ class _SmemBlocks:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
     def run(ctx, ref, acc):
       del ctx
-      add = ptx_ops._lift_ptx(ptx_ops._PTX["add"])
+      add = ptx_ops.lift_ptx(ptx_ops.PTX["add"])
       for u in range(count):
         acc = acc._pointwise(add, self._load(ref, u))
       return acc
@@ -434,30 +427,36 @@ def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
   )
 
 
-_KNOBS = ("unroll", "staged", "rows", "chunk")
-
-
-@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params") + _KNOBS)
+@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "cfg"))
 def _fold_core(*args, **static):
   """The fold launch, jitted on the padded row count (shared across N)."""
-  return build_fold(**static)(*args)
+  return build(**static)(*args)
+
+
+def config(cfg: tuning.FoldConfig | None = None, **knobs) -> tuning.FoldConfig:
+  """`cfg` (default `tuning.FOLD`) with the given fields replaced (bit-neutral; checked by FoldConfig)."""
+  cfg = tuning.FOLD if cfg is None else cfg
+  if not isinstance(cfg, tuning.FoldConfig):
+    raise TypeError(f"cfg must be a tuning.FoldConfig, got {type(cfg).__name__}")
+  unknown = set(knobs) - {f.name for f in dataclasses.fields(tuning.FoldConfig)}
+  if unknown:
+    raise TypeError(f"unknown fold knobs {sorted(unknown)}")
+  return dataclasses.replace(cfg, **knobs) if knobs else cfg
 
 
 def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None,
-                    **knobs):
+                    cfg: tuning.FoldConfig | None = None, **knobs):
   """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]).
 
-  `knobs`: build_fold's unroll / staged / rows / chunk (bit-neutral; defaults
-  are the module constants; staged falls back to False where it cannot fit).
+  `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
+  of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
+  back to False where it cannot fit).
   """
-  unknown = set(knobs) - set(_KNOBS)
-  if unknown:
-    raise TypeError(f"unknown fold knobs {sorted(unknown)}")
+  cfg = config(cfg, **knobs)
   n_split, n = mT.shape
-  knobs = {"unroll": None, "staged": STAGED, "rows": ROWS, "chunk": CHUNK, **knobs}
-  if knobs["staged"] and not staged_fits(n_split, knobs["rows"]):
-    knobs["staged"] = False
-  br = row_block(staged=knobs["staged"], rows=knobs["rows"])
+  if cfg.staged and not staged_fits(n_split, cfg.rows):
+    cfg = dataclasses.replace(cfg, staged=False)
+  br = row_block(cfg)
   n_pad = -(-max(n, 1) // br) * br
   pad = n_pad - n
 
@@ -471,20 +470,21 @@ def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: 
       p(targets.astype(jnp.int32), C.IGNORE_INDEX),
       p(inv_t.astype(F32), 1.0),
       n_split=n_split, n_pad=n_pad, vocab_size=int(vocab_size), interpret=interpret, interpret_params=interpret_params,
-      **knobs,
+      cfg=cfg,
   )
   return logp[:n], lse[:n]
 
 
-def fold(m, s, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None, **knobs):
+def fold(m, s, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None,
+         cfg: tuning.FoldConfig | None = None, **knobs):
   """Merges split partials m, s [N, n_split] in ascending split order -> (logp [N], lse [N]).
 
   Same contract as `detlogp_jax.oracle.fold`. `z_t` is the raw (unscaled,
-  post-bias) target logit; `inv_t` = fl(1/T) per row. `knobs`: see
+  post-bias) target logit; `inv_t` = fl(1/T) per row. `cfg` / `knobs`: see
   `fold_transposed` (bit-neutral).
   """
   m = jnp.asarray(m, F32)
   if m.ndim != 2:
     raise ValueError(f"m must be [N, n_split], got {m.shape}")
   return fold_transposed(m.T, jnp.asarray(s, F32).T, jnp.asarray(z_t), jnp.asarray(targets), jnp.asarray(inv_t), vocab_size,
-                         interpret=interpret, interpret_params=interpret_params, **knobs)
+                         interpret=interpret, interpret_params=interpret_params, cfg=cfg, **knobs)

@@ -1,6 +1,6 @@
 """The forward kernel with dedicated epilogue warpgroups (sm90, Pallas Mosaic GPU).
 
-Same outputs, same bits, same work items as `sm90_forward.build_forward`; a
+Same outputs, same bits, same work items as `sm90_forward_wgmma.build`; a
 different division of labour inside a CTA, so the chain of one tile group no
 longer stalls the tensor cores:
 
@@ -15,7 +15,7 @@ longer stalls the tensor cores:
   chain over its w tiles in ascending order with
   `tile_math.chain_tile_sliced` (the contract step of `tile_math.chain_tile`
   read from eight 8-column slices, in a loop so the code stays small) plus the
-  target capture of `sm90_forward.chain_step`, store the serving entry's
+  target capture of `common.chain_step`, store the serving entry's
   logits from the buffer by TMA, and hand it back.
 
 Synchronization (mbarriers, no atomics): `full[slot]` (TMA bytes landed),
@@ -30,7 +30,7 @@ Nothing here changes a bit: the accumulator a tile's chain reads is the same
 wgmma sequence, and the chain is the same operations in the same order; only
 which warpgroup runs it, and when, differs.
 
-`cfg.cluster` = 2 (off in every bucket: slower on the H200, see tuning.py) launches
+`WsForwardConfig.cluster` = 2 (off in every bucket: slower on the H200, see tuning.py) launches
 2-CTA clusters: the two CTAs take adjacent row blocks of the same split, both issue
 each weight K slice's copy with `collective_axes="cluster"` (each loads half the rows
 and multicasts them), and `empty` becomes a cluster barrier (a slot is free once the
@@ -45,19 +45,16 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import interpret_utils, ptx_ops, sm90_forward, tile_math, tuning
+from pallas_kernels import common, interpret_utils, ptx_ops, tile_math, tuning
+from pallas_kernels.common import F32, TILE
 
-F32 = jnp.float32
-TILE = sm90_forward.TILE
 PRODUCER_REGISTERS = 24
-MAX_REGISTERS = 232
-_KNOWN_DIAG = frozenset({"skip_epilogue", "dump_one_tile"})
+MAX_REGISTERS = tuning.MAX_REGISTERS
 
 
 def launch_registers(n_wgs: int) -> int:
@@ -65,7 +62,7 @@ def launch_registers(n_wgs: int) -> int:
   return 65536 // (n_wgs * 128) // 8 * 8
 
 
-def register_split(cfg: tuning.LaunchConfig) -> tuple[int, int, int]:
+def register_split(cfg: tuning.WsForwardConfig) -> tuple[int, int, int]:
   """(producer, wgmma, epilogue) registers per thread for `setmaxnreg`.
 
   The CTA launches with floor(64K / threads) registers per thread (rounded
@@ -91,55 +88,37 @@ def build(
     n_pad: int,
     d: int,
     lg_cols: int,
-    geom: sm90_forward.ShardGeometry,
-    cfg: tuning.LaunchConfig,
+    geom: common.ShardGeometry,
+    cfg: tuning.WsForwardConfig,
     has_bias: bool,
     return_logits: bool,
     num_ctas: int,
     interpret: bool,
     interpret_params=None,
     lg_rows: int | None = None,
-    fused_ptx: bool = True,
-    diag: tuple[str, ...] = (),
 ):
-  """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs of `build_forward`.
-
-  `diag` (timing only, NOT contract-keeping): "skip_epilogue" hands every
-  buffer back without running the chain; "dump_one_tile" hands off (and
-  chains) only the first tile of each group, so the hand-off buffers take a
-  third of the shared memory (does the pipeline's speed follow the footprint?).
-  """
-  if set(diag) - _KNOWN_DIAG:
-    raise ValueError(f"unknown diag {sorted(set(diag) - _KNOWN_DIAG)}; known: {sorted(_KNOWN_DIAG)}")
+  """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
+  if not isinstance(cfg, tuning.WsForwardConfig):
+    raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
   bm = cfg.block_m
-  n_mma, n_epi = cfg.num_compute_wgs, cfg.epilogue_wgs
-  if n_mma not in (1, 2) or n_epi not in (1, 2) or n_mma % n_epi:
-    raise ValueError(f"need 1 or 2 wgmma and epilogue warpgroups, the first a multiple of the second; "
-                     f"got {n_mma}, {n_epi}")
+  n_mma, n_epi = cfg.num_compute_wgs, cfg.epilogue_wgs  # (checked by WsForwardConfig)
   per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
   reg_producer, reg_mma, reg_epi = register_split(cfg)
   cta_rows = cfg.cta_rows
-  if cfg.delay_release:
-    raise ValueError("delay_release is a knob of the chain-in-wgmma kernel (epilogue_wgs=0) only")
   cl = cfg.cluster
-  if cl not in (1, 2):
-    raise ValueError(f"cluster must be 1 or 2, got {cl}")
   if cl > 1 and interpret:
     raise ValueError("the interpreter has no TMA multicast: run cluster=1 (the same bits) in interpret mode")
   assert n_pad % (cta_rows * cl) == 0 and num_ctas % cl == 0, (n_pad, num_ctas, cl)
   n_rb = n_pad // cta_rows
   n_clusters = num_ctas // cl
   tile_k = cfg.tile_k
-  if tile_k not in (32, 64):
-    raise ValueError(f"tile_k must be 32 or 64, got {tile_k}")
   if d % tile_k:
     raise ValueError(f"hidden size D={d} must be a multiple of {tile_k}")
   k_iters = d // tile_k
   w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
   c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
   n_items = n_local * (n_rb // cl)  # (split, cluster row block) pairs
-  w_dump = 1 if "dump_one_tile" in diag else w  # tiles per hand-off buffer
-  dump_bytes = tuning.accumulator_copy_bytes(cfg, w_dump)
+  dump_bytes = tuning.accumulator_copy_bytes(cfg, w)
   stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
   assert stages >= 2, stages  # one slot would deadlock: step k waits for the release that follows its own wgmma
   stage_bytes = tuning.stage_bytes(cfg, w, tile_k)
@@ -148,20 +127,17 @@ def build(
                      f"{tuning.SMEM_LIMIT} B of shared memory")
   sg = cfg.split_group
   producer = n_mma + n_epi
-  skip_epilogue = "skip_epilogue" in diag
   # One K slice of tile_k bf16 = one swizzle row (64 -> 128B, 32 -> 64B). The wgmma
   # instruction sequence per accumulator (k16 ascending) does not depend on it.
   transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(2 * tile_k))
   sps = cfg.epilogue_slices
-  if sps not in (1, 2, 4, 8):
-    raise ValueError(f"epilogue_slices must be 1, 2, 4 or 8, got {sps}")
-  row_l = sm90_forward._row_layout()
-  col_l = sm90_forward._col_layout()
+  row_l = common.row_layout()
+  col_l = common.col_layout()
   tile_l = plgpu.Layout.WGMMA
-  _load, _cast = sm90_forward._load, sm90_forward._cast
+  load, cast = common.load, common.cast
 
   def kernel(*refs):
-    h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = sm90_forward.unpack_refs(
+    h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
         refs, has_bias, return_logits)
 
     scoped = dict(
@@ -170,7 +146,7 @@ def build(
         # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
         # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
         # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
-        dump=plgpu.SMEM((n_mma, w_dump, 8, bm, 8), F32),
+        dump=plgpu.SMEM((n_mma, w, 8, bm, 8), F32),
         full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
         # cluster are done with it (the peer's multicast writes into it too).
@@ -187,9 +163,9 @@ def build(
       n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
 
       def item(li):
-        js, rbc = sm90_forward._work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
+        js, rbc = common.work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
         rb = rbc * cl + lax.axis_index("cluster") if cl > 1 else rbc
-        t0, t1 = sm90_forward._split_tiles(geom, js + j0)
+        t0, t1 = common.split_tiles(geom, js + j0)
         return js, rb, t0, t1
 
       launch = launch_registers(producer + 1)
@@ -256,10 +232,10 @@ def build(
             plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
             plgpu.barrier_wait(dump_empty.at[wg])
             z_all = acc_ref[...]
-            for i in range(w_dump):
+            for i in range(w):
               for j in range(8):
                 dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
-            sm90_forward._zero_acc(acc_ref, bm, gcols, interpret)
+            common.zero_acc(acc_ref, bm, gcols, interpret)
             if return_logits and not has_bias:
               plgpu.commit_smem()  # the epilogue's TMA stores read these writes (with bias it rewrites and commits)
             plgpu.barrier_arrive(dump_full.at[wg])
@@ -278,16 +254,16 @@ def build(
         bufs = [ep * per_epi + q for q in range(per_epi)]
         for b in bufs:  # every hand-off buffer starts free
           plgpu.barrier_arrive(dump_empty.at[b])
-        row_cast = lambda x: _cast(x, row_l, interpret)
-        tile_cast = lambda x: _cast(x, tile_l, interpret)
+        row_cast = lambda x: cast(x, row_l, interpret)
+        tile_cast = lambda x: cast(x, tile_l, interpret)
 
         def item_body(li, _):
           js, rb, t0, t1 = item(li)
           limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
           rows = [rb * cta_rows + b * bm for b in bufs]
-          tgts = [_load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-          invts = [_load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-          ops = ptx_ops.make_ops(interpret, sm90_forward._layout_of, source=invts[0], fused=fused_ptx)
+          tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+          invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+          ops = ptx_ops.make_ops(interpret, common.layout_of, source=invts[0])
           init = tuple((row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.zeros((bm,), F32)),
                         row_cast(jnp.zeros((bm,), F32))) for _ in bufs)
 
@@ -302,8 +278,8 @@ def build(
               # unsafe_no_auto_barriers removes.
               if has_bias:
                 for j in range(8):
-                  bias = _load(b_gmem.at[pl.ds(tcol0 - c0 + 8 * j, 8)], col_l, interpret)
-                  zj = _load(dump.at[b, i, j], tile_l, interpret)
+                  bias = load(b_gmem.at[pl.ds(tcol0 - c0 + 8 * j, 8)], col_l, interpret)
+                  zj = load(dump.at[b, i, j], tile_l, interpret)
                   dump.at[b, i, j][...] = tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, 8))))
               if return_logits:
                 @pl.when((tile < t1) & (tcol0 - c0 < lg_cols))  # padding tiles past the logits' width: none
@@ -316,7 +292,7 @@ def build(
                       plgpu.copy_smem_to_gmem(dump.at[b, i, j],
                                               lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + 8 * j, 8)])
               m2, s2, z_hit = tile_math.chain_tile_sliced(
-                  m, s, lambda j: _load(dump.at[b, i, j], tile_l, interpret), tcol0, tgts[q], invts[q], limit,
+                  m, s, lambda j: load(dump.at[b, i, j], tile_l, interpret), tcol0, tgts[q], invts[q], limit,
                   (tile + 1) * TILE <= limit, ops, interpret=interpret, tile_cast=tile_cast, row_cast=row_cast,
                   slices_per_step=sps)
               row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
@@ -327,9 +303,7 @@ def build(
             new = []
             for q, b in enumerate(bufs):
               plgpu.barrier_wait(dump_full.at[b])
-              st = state[q]
-              if not skip_epilogue:
-                st = lax.fori_loop(0, w_dump, tile_chain(q, b, g), st)
+              st = lax.fori_loop(0, w, tile_chain(q, b, g), state[q])
               if return_logits:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
               plgpu.barrier_arrive(dump_empty.at[b])
@@ -350,7 +324,7 @@ def build(
 
   return plgpu.kernel(
       kernel,
-      out_type=sm90_forward.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
+      out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
       grid=(n_clusters,),
       grid_names=("cta",),
       **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),

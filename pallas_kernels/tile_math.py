@@ -37,7 +37,7 @@ def tree64(e, ops, *, interpret: bool):
   return pairwise([slice_sum8(e[:, 8 * j : 8 * j + 8], ops, interpret=False) for j in range(8)], ops)
 
 
-def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, masked: bool = True, diag=()):
+def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, masked: bool = True):
   """One step of the ascending split chain for a 64-column tile.
 
   m, s, tgt: [BM] row vectors (running max, running sum, target column id). z: [BM, 64] FP32 logits of the tile
@@ -55,11 +55,9 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
   caller selects it only for rows whose target lies in this tile).
 
   masked=False: the caller guarantees every lane is valid (col < m_limit);
-  the masks are then identities and are skipped (same bits). `diag` (timing
-  experiments only, NOT contract-keeping): "no_hit", "no_exp", "no_mask".
+  the masks are then identities and are skipped (same bits).
   """
   bm = z.shape[0]
-  masked = masked and "no_mask" not in diag
   y = ops.mul(z, inv_t_b)
   if masked:
     valid = col < m_limit
@@ -68,7 +66,7 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
   m_new = jnp.maximum(m, tm)
   alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
   m_b = jnp.broadcast_to(m_new[:, None], (bm, C.TILE_V))
-  e = ops.sub(y, m_b) if "no_exp" in diag else ops.exp_diff(y, m_b)
+  e = ops.exp_diff(y, m_b)
   if masked:
     e = jnp.where(valid, e, jnp.asarray(0.0, F32))
   s_new = ops.add(ops.mul(s, alpha), tree64(e, ops, interpret=interpret))
@@ -76,8 +74,6 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
   # over -inf and the one hit lane is the hit lane's value exactly (NaN
   # propagates, -0 stays -0). The caller uses it only for rows whose target
   # lies in this tile of this split.
-  if "no_hit" in diag:
-    return m_new, s_new, tm
   tgt_b = jnp.broadcast_to(tgt[:, None], (bm, C.TILE_V))
   hit = col == tgt_b
   z_hit = jnp.max(jnp.where(hit, z, jnp.asarray(NEG_INF, F32)), axis=1)

@@ -188,3 +188,48 @@ def test_trace_summary_prefers_device_threads():
     assert s["span_us_per_call"] == (760 - 10) / 2 and s["busy_us_per_call"] == 340.0
     host = trace_summary.summarize({"traceEvents": meta[:1] + ev[:1]}, calls=1)
     assert host["scope"] == "host" and host["rows"][0]["name"] == "host_op"
+
+
+_EXPERIMENTS_DRY_RUN = r"""
+import json
+from benchmarks.experiments import gemm_ceiling, kernel_timing as kt, power_probe, probe_kernel
+from pallas_kernels import tuning
+
+planned = []
+
+class Recorder:
+    def __init__(self, *a):
+        self.rows, self.w = [], None
+    def sets(self, m):
+        return [(None, None)] * 2
+    def kernel(self, group, name, m, cfg, **kw):
+        assert isinstance(cfg, (tuning.WgmmaForwardConfig, tuning.WsForwardConfig)), cfg
+        kt.forward_build(cfg)
+        planned.append([group, name, m, type(cfg).__name__])
+    def generic(self, *a, **kw):
+        pass
+    def record(self, *a, **kw):
+        pass
+
+probe_kernel.Probe = Recorder
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws"
+probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
+probe_kernel.main([])
+assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,
+                                                     max_concurrent_steps=5, split_group=4)
+print(json.dumps(planned))
+"""
+
+
+def test_kernel_experiments_plan_valid_configs():
+    """benchmarks.experiments imports on CPU and every forward variant probe_kernel would time is a
+    valid config of one kernel (configs are checked when made, so a bad variant would end the whole
+    GPU run before its first timing). In a subprocess: the experiments' absl flags (--out, --m)
+    share names with benchmarks.run's."""
+    proc = subprocess.run([sys.executable, "-c", _EXPERIMENTS_DRY_RUN], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    planned = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(planned) > 50
+    kinds = {k for *_, k in planned}
+    assert kinds == {"WgmmaForwardConfig", "WsForwardConfig"}

@@ -1,4 +1,4 @@
-"""The fused recompute + dz kernel of the backward (pallas_kernels.sm90_backward), interpret mode.
+"""The fused recompute + dz kernel of the backward (pallas_kernels.sm90_dz), interpret mode.
 
 The kernel is not part of the frozen contract: these tests check the dz formula
 against float64, that the chunked backward built on it gives the gradients of
@@ -16,7 +16,7 @@ import pytest
 from detlogp_jax import backends, grad
 from tests.conftest import assert_bitwise_equal
 
-pk = pytest.importorskip("pallas_kernels.sm90_backward")
+pk = pytest.importorskip("pallas_kernels.sm90_dz")
 from pallas_kernels.interpret_utils import row_invariant_wgmma  # noqa: E402
 
 

@@ -22,6 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
 from tests.conftest import assert_bitwise_equal
+from tests.pallas_cases import fold_problem
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
@@ -122,31 +123,6 @@ def test_fold_kernel_equals_oracle():
     assert_bitwise_equal(np.asarray(lse), rs, "lse")
 
 
-def _fold_problem(n, ns, v, seed):
-    """Partials with the fold's edge rows (NaN, all -inf, equal m, +-0, max in the last split)."""
-    rng = np.random.default_rng(seed)
-    m = rng.normal(0, 3, (n, ns)).astype(np.float32)
-    s = rng.uniform(0.5, 40, (n, ns)).astype(np.float32)
-    m[0, :], s[0, :] = -np.inf, 0  # all -inf: M = -inf, every w_j = 1, S = +0
-    m[1, ns - 1] = np.nan  # NaN in the last split (the ragged step of the staged fold)
-    m[2, ::2], s[2, ::2] = -np.inf, 0
-    m[3, :] = m[3, 0]  # equal m: every w_j = 1
-    m[4, :] = np.where(np.arange(ns) % 2, np.float32(0.0), np.float32(-0.0))  # +-0 maxima
-    s[4, :] = 1
-    m[5, :], s[5, :] = -np.inf, 0
-    m[5, ns - 1], s[5, ns - 1] = 2.5, 3.0  # the max only in the last split
-    s[6, ns // 2] = np.nan
-    m[7, 0] = 60.0  # one dominant split, the others underflow to w = 0
-    m[8, :] = np.float32(-1e-40)  # subnormal maxima (FTZ in the subtraction)
-    m[8, 0] = 0.0
-    z_t = rng.normal(0, 5, n).astype(np.float32)
-    z_t[9] = 1e-40
-    t = rng.integers(0, v, n).astype(np.int32)
-    t[10], t[11], t[12] = C.IGNORE_INDEX, v, -3
-    inv_t = oracle.inv_temperature(rng.uniform(0.3, 2, n).astype(np.float32), n)
-    return m, s, z_t, t, inv_t
-
-
 _FOLD_VARIANTS = [
     pytest.param({}, id="default"),
     pytest.param({"chunk": 4}, id="staged-chunk4", marks=pytest.mark.slow),
@@ -161,7 +137,7 @@ def test_fold_split_counts_equal_oracle(n_split, knobs):
     """Split counts that are not multiples of the staged fold's groups / chunks,
     over 3 row blocks (the last one partial), every edge row: bytes equal oracle.fold."""
     n, v = 70, 1000
-    m, s, z_t, t, inv_t = _fold_problem(n, n_split, v, seed=n_split)
+    m, s, z_t, t, inv_t = fold_problem(n, n_split, v, seed=n_split)
     logp, lse = pk.fold(m, s, z_t, t, inv_t, v, interpret=True, **knobs)
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     assert_bitwise_equal(np.asarray(logp), rl, "logp")
@@ -332,16 +308,23 @@ def test_ws_register_split_fits_the_launch_allocation():
     assert sm90_forward_ws.register_split(_ws(epilogue_wgs=1)) == (24, 128, 232)  # 4 warpgroups: 512 per slice
     p, m, e = sm90_forward_ws.register_split(_ws(epilogue_wgs=2))  # 5 warpgroups launch with 96 each
     assert p + 2 * m + 2 * e <= 5 * 96
-    with pytest.raises(ValueError, match="register split"):
-        sm90_forward_ws.register_split(_ws(epilogue_wgs=1, mma_registers=252))
-    # build_forward hands configs with epilogue_wgs to sm90_forward_ws: a diagnostic only the
-    # chain-in-wgmma kernel knows is refused there.
-    with pytest.raises(ValueError, match="unknown diag"):
-        from pallas_kernels import sm90_forward
+    with pytest.raises(ValueError, match="mma_registers"):  # above setmaxnreg's 232: refused by the config
+        _ws(epilogue_wgs=1, mma_registers=252)
+    with pytest.raises(ValueError, match="register split"):  # 2 x 232 leave the 2 epilogue warpgroups nothing
+        sm90_forward_ws.register_split(_ws(epilogue_wgs=2, mma_registers=232))
 
-        geom = sm90_forward.shard_geometry(328, 512)
-        sm90_forward.build_forward(n_pad=128, d=128, lg_cols=328, geom=geom, cfg=_ws(), has_bias=False,
-                                   return_logits=False, num_ctas=1, interpret=True, diag=("no_exp",))
+
+def test_each_kernel_builds_only_its_own_config():
+    """The config's type picks the kernel: a builder refuses the other kernel's config."""
+    from pallas_kernels import sm90_forward_ws, sm90_forward_wgmma
+
+    geom = pk.shard_geometry(328, 512)
+    kw = dict(n_pad=128, d=128, lg_cols=328, geom=geom, has_bias=False, return_logits=False, num_ctas=1,
+              interpret=True)
+    with pytest.raises(TypeError, match="WsForwardConfig"):
+        sm90_forward_ws.build(cfg=tuning.BUCKETS["small"], **kw)
+    with pytest.raises(TypeError, match="WgmmaForwardConfig"):
+        sm90_forward_wgmma.build(cfg=tuning.BUCKETS["prefill"], **kw)
 
 
 @pytest.mark.parametrize("bucket", ["decode", "prefill"])

@@ -4,9 +4,12 @@
   numpy simulator, equal the oracle bit for bit (NaN payloads aside).
 * tile_math.plog (the fold's log) equals oracle.plog.
 * Split geometry per shard, tiles per group, bucket table, input checks.
+* The per-kernel configs (tuning.WgmmaForwardConfig, WsForwardConfig,
+  FoldConfig, DzConfig) refuse bad values when made; the shipped ones are pinned.
 * Every launch bucket lowers for cuda (Mosaic GPU's Python half runs here).
 """
 
+import dataclasses
 import re
 
 import jax
@@ -18,7 +21,7 @@ from detlogp_jax import numerics, contract as C
 from detlogp_jax import oracle
 
 pk = pytest.importorskip("pallas_kernels")
-from pallas_kernels import ptx_ops, ptx_programs, sm90_forward, tile_math, tuning  # noqa: E402
+from pallas_kernels import common, ptx_ops, ptx_programs, tile_math, tuning  # noqa: E402
 
 
 def _same(a, b):
@@ -86,7 +89,7 @@ def test_ftz_matches_oracle():
 
 
 def test_qwen_geometry():
-    g = sm90_forward.shard_geometry(151936, 152064)
+    g = pk.shard_geometry(151936, 152064)
     assert g.n_local == 264 and g.max_tiles == 9 and g.tiles_per_group == 3 and g.n_groups == 3
     plan = C.split_bounds(152064)
     assert g.local_starts == plan.starts and g.local_ends == plan.ends
@@ -98,7 +101,7 @@ def test_tp_shards_are_split_aligned(tp):
     width = vp // tp
     seen = []
     for r in range(tp):
-        g = sm90_forward.shard_geometry(151936, vp, col_offset=r * width, shard_cols=width)
+        g = pk.shard_geometry(151936, vp, col_offset=r * width, shard_cols=width)
         assert g.n_local == 264 // tp
         seen += list(range(g.split_first, g.split_first + g.n_local))
     assert seen == list(range(264))
@@ -106,18 +109,18 @@ def test_tp_shards_are_split_aligned(tp):
 
 def test_misaligned_shard_raises():
     with pytest.raises(C.ContractError):
-        sm90_forward.shard_geometry(151936, 152064, col_offset=64, shard_cols=76032)
+        pk.shard_geometry(151936, 152064, col_offset=64, shard_cols=76032)
     with pytest.raises(C.ContractError):
-        sm90_forward.shard_geometry(151936, 152064, col_offset=0, shard_cols=1000)
+        pk.shard_geometry(151936, 152064, col_offset=0, shard_cols=1000)
 
 
 def test_split_formula_matches_plan():
     """The in-kernel split start/end arithmetic equals contract.split_bounds."""
     for vp in (512, 17408, 50688, 128512, 152064, 64 * 1001):
-        g = sm90_forward.shard_geometry(min(vp, 500), vp)
+        g = common.shard_geometry(min(vp, 500), vp)
         plan = C.split_bounds(vp)
         j = jnp.arange(plan.n_split, dtype=jnp.int32)
-        s, e = sm90_forward._split_tiles(g, j)
+        s, e = common.split_tiles(g, j)
         assert list(np.asarray(s)) == list(plan.starts) and list(np.asarray(e)) == list(plan.ends), vp
 
 
@@ -141,10 +144,133 @@ def test_buckets():
         assert cfg.block_m in (64, 128) and cfg.num_compute_wgs in (1, 2)
 
 
+def test_shipped_configs_are_pinned():
+    """The bucket table, the fold's and the dz kernel's configs carry the shipped values (each
+    field; the Mosaic hash guard benchmarks/mosaic_ir_hashes.py checks the programs)."""
+    assert tuning.BUCKETS == {
+        "decode": tuning.WsForwardConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5,
+                                         ctas_per_sm=1, split_group=0, epilogue_wgs=1, mma_registers=0,
+                                         epilogue_slices=2, tile_k=64, auto_barriers=False, cluster=1),
+        "small": tuning.WgmmaForwardConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4,
+                                           ctas_per_sm=1, split_group=0, delay_release=0, logits_slots=2),
+        "prefill": tuning.WsForwardConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3,
+                                          ctas_per_sm=1, split_group=4, epilogue_wgs=1, mma_registers=0,
+                                          epilogue_slices=2, tile_k=64, auto_barriers=False, cluster=1),
+    }
+    assert tuning.FOLD == tuning.FoldConfig(staged=True, rows=32, chunk=64, unroll=None)
+    assert tuning.DZ == tuning.DzConfig(block_m=64, num_compute_wgs=2, block_n=256, max_concurrent_steps=4,
+                                        col_group=4)
+    assert tuning.DZ.rows_per_cta == 128
+    assert [upper for upper, _ in tuning.BUCKET_TABLE[:2]] == [64, 512]
+
+
+@pytest.mark.parametrize("name", sorted(tuning.BUCKETS))
+def test_each_bucket_builds(name):
+    """Every bucket's config re-validates (dataclasses.replace runs __post_init__) and builds its
+    kernel (the builder's own checks: stages, shared memory, register split)."""
+    from pallas_kernels import sm90_forward_ws, sm90_forward_wgmma
+
+    cfg = dataclasses.replace(tuning.BUCKETS[name])
+    assert cfg == tuning.BUCKETS[name]
+    module = sm90_forward_ws if isinstance(cfg, tuning.WsForwardConfig) else sm90_forward_wgmma
+    geom = pk.shard_geometry(151936, 152064)
+    n_pad = tuning.padded_rows(4096, cfg)
+    for logits in (False, True):
+        module.build(n_pad=n_pad, d=4096, lg_cols=151936, geom=geom, cfg=cfg, has_bias=True, return_logits=logits,
+                     num_ctas=132, interpret=False, lg_rows=4096)
+
+
+_BAD_CONFIGS = [
+    (tuning.WgmmaForwardConfig, dict(block_m=32), "block_m"),
+    (tuning.WgmmaForwardConfig, dict(block_m=96), "block_m"),
+    (tuning.WgmmaForwardConfig, dict(num_compute_wgs=3), "num_compute_wgs"),
+    (tuning.WgmmaForwardConfig, dict(num_compute_wgs=0), "num_compute_wgs"),
+    (tuning.WgmmaForwardConfig, dict(max_concurrent_steps=0), "max_concurrent_steps"),
+    (tuning.WgmmaForwardConfig, dict(ctas_per_sm=0), "ctas_per_sm"),
+    (tuning.WgmmaForwardConfig, dict(split_group=-1), "split_group"),
+    (tuning.WgmmaForwardConfig, dict(delay_release=2), "delay_release"),
+    (tuning.WgmmaForwardConfig, dict(logits_slots=0), "logits_slots"),
+    (tuning.WgmmaForwardConfig, dict(name=""), "name"),
+    (tuning.WsForwardConfig, dict(block_m=256), "block_m"),
+    (tuning.WsForwardConfig, dict(num_compute_wgs=3), "num_compute_wgs"),
+    (tuning.WsForwardConfig, dict(epilogue_wgs=0), "epilogue"),
+    (tuning.WsForwardConfig, dict(epilogue_wgs=3), "epilogue"),
+    (tuning.WsForwardConfig, dict(num_compute_wgs=1, epilogue_wgs=2), "epilogue"),
+    (tuning.WsForwardConfig, dict(mma_registers=100), "mma_registers"),
+    (tuning.WsForwardConfig, dict(mma_registers=240), "mma_registers"),
+    (tuning.WsForwardConfig, dict(epilogue_slices=3), "epilogue_slices"),
+    (tuning.WsForwardConfig, dict(tile_k=128), "tile_k"),
+    (tuning.WsForwardConfig, dict(tile_k=16), "tile_k"),
+    (tuning.WsForwardConfig, dict(cluster=4), "cluster"),
+    (tuning.WsForwardConfig, dict(cluster=0), "cluster"),
+    (tuning.WsForwardConfig, dict(auto_barriers=1), "auto_barriers"),
+    (tuning.WsForwardConfig, dict(max_concurrent_steps=-1), "max_concurrent_steps"),
+]
+
+
+@pytest.mark.parametrize("cls,bad,what", _BAD_CONFIGS, ids=lambda x: str(x) if isinstance(x, dict) else None)
+def test_forward_configs_refuse_bad_values(cls, bad, what):
+    base = dict(name="t", block_m=64, num_compute_wgs=2, max_concurrent_steps=3)
+    cls(**base)  # the base itself is valid
+    with pytest.raises(ValueError, match=what):
+        cls(**{**base, **bad})
+
+
+def test_configs_have_only_their_kernels_fields():
+    """delay_release / logits_slots belong to the chain-in-wgmma kernel, epilogue_wgs / mma_registers /
+    epilogue_slices / tile_k / auto_barriers / cluster to the ws kernel: the other kernel's config
+    refuses them (no field), and the shared part is not a config of any kernel."""
+    ws_only = {"epilogue_wgs": 1, "mma_registers": 0, "epilogue_slices": 2, "tile_k": 64, "auto_barriers": False,
+               "cluster": 1}
+    wgmma_only = {"delay_release": 0, "logits_slots": 2}
+    for key, val in ws_only.items():
+        with pytest.raises(TypeError):
+            dataclasses.replace(tuning.BUCKETS["small"], **{key: val})
+    for key, val in wgmma_only.items():
+        with pytest.raises(TypeError):
+            dataclasses.replace(tuning.BUCKETS["prefill"], **{key: val})
+    with pytest.raises(TypeError):
+        tuning.ForwardConfig("x", block_m=64, num_compute_wgs=1, max_concurrent_steps=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tuning.BUCKETS["small"].block_m = 128
+
+
+@pytest.mark.parametrize("bad,what", [
+    (dict(rows=48), "rows"), (dict(rows=128), "rows"), (dict(chunk=0), "chunk"), (dict(chunk=257), "chunk"),
+    (dict(chunk=6), "chunk"),  # rows=32: a multiple of 4
+    (dict(rows=64, chunk=3), "chunk"),  # rows=64: a multiple of 2
+    (dict(unroll=0), "unroll"), (dict(staged=1), "staged"),
+])
+def test_fold_config_refuses_bad_values(bad, what):
+    with pytest.raises(ValueError, match=what):
+        tuning.FoldConfig(**bad)
+    tuning.FoldConfig(rows=64, chunk=6, unroll=5)  # valid
+
+
+def test_fold_knobs_are_fold_config_fields():
+    from pallas_kernels import sm90_fold
+
+    assert sm90_fold.config(staged=False) == tuning.FoldConfig(staged=False)
+    assert sm90_fold.config() is tuning.FOLD
+    with pytest.raises(TypeError, match="unknown fold knobs"):
+        sm90_fold.config(rows_per_cta=32)
+    with pytest.raises(ValueError, match="chunk"):
+        pk.fold(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32), np.zeros(2, np.float32),
+                np.zeros(2, np.int32), np.ones(2, np.float32), 100, interpret=True, chunk=5)
+
+
+@pytest.mark.parametrize("bad,what", [
+    (dict(block_m=32), "block_m"), (dict(num_compute_wgs=3), "num_compute_wgs"), (dict(block_n=320), "block_n"),
+    (dict(block_n=100), "block_n"), (dict(max_concurrent_steps=0), "max_concurrent_steps"),
+    (dict(col_group=-1), "col_group"),
+])
+def test_dz_config_refuses_bad_values(bad, what):
+    with pytest.raises(ValueError, match=what):
+        tuning.DzConfig(**bad)
+
+
 def test_cluster_rows_and_ctas():
     """A 2-CTA cluster pads rows to two row blocks and launches an even CTA count."""
-    import dataclasses
-
     c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
     assert c2.row_quantum == 256 and tuning.BUCKETS["prefill"].row_quantum == 128
     assert tuning.padded_rows(640, tuning.BUCKETS["prefill"]) == 640  # 5 row blocks
@@ -157,19 +283,20 @@ def test_cluster_rows_and_ctas():
 
 
 def test_ws_kernel_refuses_delay_release():
-    import dataclasses
+    """The decode bucket builds the ws kernel, whose config has no delay_release."""
+    with pytest.raises(TypeError, match="delay_release"):
+        dataclasses.replace(tuning.BUCKETS["decode"], name="d", delay_release=1)
 
-    cfg = dataclasses.replace(tuning.BUCKETS["decode"], name="d", delay_release=1)
+
+def test_partials_refuses_a_config_of_no_kernel():
     h = jnp.zeros((4, 128), jnp.bfloat16)
     w = jnp.zeros((64, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="delay_release"):
+    with pytest.raises(TypeError):
         pk.partials(h, w, None, jnp.zeros((4,), jnp.int32), jnp.ones((4,), jnp.float32), vocab_size=64,
-                    padded_vocab_size=64, bucket=cfg, interpret=True)
+                    padded_vocab_size=64, bucket=tuning.FOLD, interpret=True)
 
 
 def test_cluster_refused_in_interpret_mode():
-    import dataclasses
-
     c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
     h = jnp.zeros((4, 128), jnp.bfloat16)
     w = jnp.zeros((64, 128), jnp.bfloat16)
@@ -218,8 +345,6 @@ def test_forward_lowers_for_cuda(bucket):
 
 
 def test_cluster_forward_lowers_for_cuda():
-    import dataclasses
-
     c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
     _lower(300, 192, 1000, 1024, c2, bias=True, logits=True)
 

@@ -1,11 +1,11 @@
 #!/bin/bash
 # Dumps PTX, ptxas report and SASS of the prefill forward kernel (GPU machine).
-# Usage (on the GPU machine): bash benchmarks/experiments/sass_dump.sh <out_dir> [diag,...]
+# Usage (on the GPU machine): bash benchmarks/experiments/sass_dump.sh <out_dir>
 # Env: EPILOGUE_WGS, as for dump_ptxas.sh.
 set -u
 out=${1:-/tmp/sass}
 mkdir -p "$out/mosaic"
-bash benchmarks/experiments/dump_ptxas.sh "$out/mosaic" "${2:-}" > "$out/dump.log" 2>&1
+bash benchmarks/experiments/dump_ptxas.sh "$out/mosaic" > "$out/dump.log" 2>&1
 ptx=$(ls "$out"/mosaic/*.ptx | head -1)
 PTXAS=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)
 CUOBJ=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)

@@ -1,7 +1,7 @@
 """Gradients of the pallas_sm90 path on a real Hopper GPU (skipped elsewhere).
 
 The backward recomputes z per vocab chunk with the fused Pallas dz kernel
-(`pallas_kernels.sm90_backward`) and runs the two gradient GEMMs in XLA
+(`pallas_kernels.sm90_dz`) and runs the two gradient GEMMs in XLA
 (`detlogp_jax.grad`). Checked here: gradients w.r.t. hidden, weight and bias of
 sum(g_logp * logp + g_lse * lse) against float64 autodiff of the materialized
 math (relative Frobenius error < 1e-2 with bf16 operands, the documented

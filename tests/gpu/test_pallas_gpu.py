@@ -103,10 +103,10 @@ def test_fold_layouts_equal_oracle(n_split):
   several CTAs; all layouts give the same bytes, NaNs included; a row alone
   gives the bytes it has in the batch."""
   from pallas_kernels import sm90_fold
-  from tests.test_pallas_interpret import _fold_problem
+  from tests.pallas_cases import fold_problem
 
   n, v = 200, 151936
-  m, s, z_t, t, inv_t = _fold_problem(n, n_split, v, seed=n_split)
+  m, s, z_t, t, inv_t = fold_problem(n, n_split, v, seed=n_split)
   rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
   variants = [{}, dict(staged=False), dict(chunk=4, unroll=8), dict(chunk=128, unroll=n_split),
               dict(rows=64, chunk=6, unroll=5)]

@@ -1,12 +1,13 @@
 """The GEMM-alone ceiling at the lm_head shape: cuBLAS (XLA) vs JAX's Pallas Hopper GEMM.
 
-    PYTHONPATH=. python3 -m benchmarks.gemm_ceiling --m 4096 --out /tmp/gemm.jsonl  # --out: probe_kernel's flag
+    PYTHONPATH=. python3 -m benchmarks.experiments.gemm_ceiling --gemm_m 4096 --out /tmp/gemm.jsonl
 
 The fused kernel does the lm_head GEMM plus the streaming log-sum-exp, so the fastest
 GEMM alone at the same shape on the same device bounds its effective rate. This times
 XLA's GEMM and `jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` under a small sweep
 of its TuningConfig (the weight pre-transposed to [D, V] as that kernel wants), same
-timing as `probe_kernel` (back-to-back calls, one synchronization per sample), and
+timing as `probe_kernel` (`kernel_timing.time_calls`: back-to-back calls, one
+synchronization per sample), and
 checks each Pallas result against XLA's with allclose (a GEMM, not a contract path).
 Device: nvidia-h200.
 """
@@ -23,17 +24,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-from benchmarks import baselines, probe_kernel
+from benchmarks import baselines
+from benchmarks.experiments import kernel_timing as kt
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gemm_m", 4096, "Rows.")
+# --out (JSON lines output): kernel_timing's flag.
 
 
 def main(argv):
   del argv
   m = FLAGS.gemm_m
-  w = probe_kernel._weight()
-  h, _ = probe_kernel._inputs(m, 1)
+  w = kt.weight()
+  h, _ = kt.inputs(m, 1)
   flops = 2.0 * m * w.shape[0] * w.shape[1]
   out = open(FLAGS.out, "w")
 
@@ -46,7 +49,7 @@ def main(argv):
     print(json.dumps(row), flush=True)
 
   calls, samples = (6, 9) if m <= 4096 else (3, 7)
-  ref, res = probe_kernel._time(jax.jit(baselines.gemm), [(h, w)], calls, samples)
+  ref, res = kt.time_calls(jax.jit(baselines.gemm), [(h, w)], calls, samples)
   record("xla gemm (cuBLAS)", res)
   ref = np.asarray(ref, np.float32)
   wt = jax.block_until_ready(jnp.asarray(w).T.copy())  # [D, V]
@@ -57,7 +60,7 @@ def main(argv):
                           grid_tile_width=width, wg_dimension=wg_dim)
     name = f"pallas hopper_matmul_mgpu tile {tile_m}x{tile_n} wg={wg_dim} minor={minor} width={width}"
     try:
-      o, res = probe_kernel._time(jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)), [(h, wt)], calls, samples)
+      o, res = kt.time_calls(jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)), [(h, wt)], calls, samples)
       ok = bool(np.allclose(np.asarray(o, np.float32), ref, rtol=2e-2, atol=2e-2))
       record(name, res, allclose_to_xla=ok)
     except Exception as e:  # a config that does not fit (shared memory, divisibility) is skipped

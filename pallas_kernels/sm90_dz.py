@@ -13,8 +13,9 @@ backward is not part of the frozen contract: exp is the GPU's `expf` and
 XLA-style arithmetic is used, but every element is computed by one fixed
 instruction sequence (no split-K, no atomics, fixed tile walk), so two runs give
 identical bytes. `detlogp_jax.grad` calls it per chunk when the backend is
-pallas_sm90 (bf16 operands, D a multiple of 64) and feeds dz to the two
-gradient GEMMs.
+pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
+entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
+geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).
 """
 
 from __future__ import annotations
@@ -27,32 +28,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import interpret_utils, sm90_forward, tuning
+from pallas_kernels import common, interpret_utils, tuning
+from pallas_kernels.common import F32, SWIZZLE, TILE, TILE_K
 
-F32 = jnp.float32
-TILE = 64
-TILE_K = 64
-SWIZZLE = 128
-BLOCK_M = 64  # rows per consumer warpgroup
-NUM_WGS = 2  # consumer warpgroups per CTA (128 rows)
-ROWS_PER_CTA = BLOCK_M * NUM_WGS  # callers pad rows to a multiple of this
-BLOCK_N = 256  # columns per work item (wgmma N)
-STAGES = 4
-COL_GROUP = 4  # work order: column blocks in groups of 4, row blocks fastest inside
+ROWS_PER_CTA = tuning.DZ.rows_per_cta  # callers pad rows to a multiple of this (the registry's row_multiple)
 
 
-def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, interpret: bool,
-             interpret_params=None):
+def build(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, interpret: bool,
+          interpret_params=None, cfg: tuning.DzConfig = tuning.DZ):
   """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, bounds) -> dz [n_pad, chunk] bf16."""
-  bm, n_wg, cta_rows = BLOCK_M, NUM_WGS, ROWS_PER_CTA
-  assert n_pad % cta_rows == 0 and chunk % BLOCK_N == 0 and d % TILE_K == 0
-  n_rb, n_cb = n_pad // cta_rows, chunk // BLOCK_N
+  if not isinstance(cfg, tuning.DzConfig):
+    raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
+  bm, n_wg, cta_rows, block_n = cfg.block_m, cfg.num_compute_wgs, cfg.rows_per_cta, cfg.block_n
+  assert n_pad % cta_rows == 0 and chunk % block_n == 0 and d % TILE_K == 0
+  n_rb, n_cb = n_pad // cta_rows, chunk // block_n
   k_iters = d // TILE_K
   transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
   out_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  row_l = plgpu.Layout.WGMMA.reduce(1)
-  col_l = plgpu.Layout.WGMMA.reduce(0)
-  stages = min(STAGES, k_iters)
+  row_l = common.row_layout()
+  col_l = common.col_layout()
+  stages = min(cfg.max_concurrent_steps, k_iters)
 
   cast = functools.partial(interpret_utils.cast, interpret=interpret)
   load = functools.partial(interpret_utils.load, interpret=interpret)
@@ -71,7 +66,7 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
           memory_registers=40,
           in_specs=[
               plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms),
-              plgpu.BlockSpec((BLOCK_N, TILE_K), lambda k: (0, k), transforms=transforms),
+              plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms),
           ],
           wg_axis="wg",
           num_compute_wgs=n_wg,
@@ -84,7 +79,7 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, BLOCK_N), :]),
+            h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, block_n), :]),
         out_smem=plgpu.SMEM((n_wg, 2, bm, TILE), jnp.bfloat16, transforms=out_transforms),
         collective_axes="wg",
     )
@@ -95,9 +90,9 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
 
       @plgpu.nd_loop((n_rb * n_cb,), collective_axes="cta")
       def _work(info):
-        cb, rb = sm90_forward._work_item(info.index[0], n_cb, n_rb, COL_GROUP)
+        cb, rb = common.work_item(info.index[0], n_cb, n_rb, cfg.col_group)
         row0 = rb * cta_rows
-        col0 = cb * BLOCK_N
+        col0 = cb * block_n
 
         def compute_context(eval_pipeline):
           wrow = row0 + wg * bm
@@ -108,13 +103,13 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
           c1 = load(c1_gmem.at[rows], row_l)
           c2 = load(c2_gmem.at[rows], row_l)
 
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, BLOCK_N), F32))
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, block_n), F32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
             z_all = acc_ref[...]
             col_iota = cast(lax.broadcasted_iota(jnp.int32, (bm, TILE), 1), plgpu.Layout.WGMMA)
             bc = lambda v: jnp.broadcast_to(v[:, None], (bm, TILE))
-            for i in range(BLOCK_N // TILE):
+            for i in range(block_n // TILE):
               c = col0 + i * TILE
               z = z_all[:, i * TILE : (i + 1) * TILE]
               if has_bias:
@@ -138,7 +133,7 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
 
         get_pipeline(mma_body, compute_context)(
             h_gmem.at[pl.ds(row0, cta_rows), :],
-            w_gmem.at[pl.ds(col0, BLOCK_N), :],
+            w_gmem.at[pl.ds(col0, block_n), :],
             allocations=pipeline_allocs,
         )
 
@@ -158,12 +153,12 @@ def build_dz(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, i
 
 @functools.partial(jax.jit, static_argnames=("n_pad", "d", "chunk", "has_bias", "num_ctas", "interpret", "interpret_params"))
 def _dz_core(*args, **static):
-  return build_dz(**static)(*args)
+  return build(**static)(*args)
 
 
-def supported(hidden, weight, chunk: int) -> bool:
-  """True if this kernel can form dz for these operands and chunk length."""
-  return (sm90_forward.unsupported(hidden, weight) is None and chunk % BLOCK_N == 0)
+def chunk_supported(chunk: int) -> bool:
+  """True if this kernel can form dz for vocab chunks of this length (the operands: `wrapper.unsupported`)."""
+  return chunk % tuning.DZ.block_n == 0
 
 
 def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, *, interpret: bool = False,
@@ -180,7 +175,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, *, in
   """
   n_pad, d = hidden_p.shape
   chunk = w_c.shape[0]
-  work = (n_pad // ROWS_PER_CTA) * (chunk // BLOCK_N)
+  work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
   if num_ctas is None:
     num_ctas = 2 if interpret else tuning.default_num_sms()
   num_ctas = max(1, min(int(num_ctas), work))

@@ -1,13 +1,14 @@
 """SM clock and board power while a kernel runs back to back (nvidia-h200).
 
-    PYTHONPATH=. python3 -m benchmarks.power_probe --m 16384 --seconds 4 --out /tmp/power.jsonl  # --out: probe_kernel's flag
+    PYTHONPATH=. python3 -m benchmarks.experiments.power_probe --m 16384 --seconds 4 --out /tmp/power.jsonl
 
 For each variant: time calls for --seconds while `nvidia-smi -lms 50` samples the SM
 clock and the board power; one JSON line per variant with the median clock / power
 over the samples taken after the first second (the clock settles). The question it
 answers: is a fused kernel that runs slower than the GEMM alone, with the same
 pipeline, held back by the board's power limit (lower SM clock) rather than by its
-schedule?
+schedule? (The earlier third variant, the prefill kernel's pipeline without its chain,
+used the kernels' skip_epilogue diagnostic, which is gone: benchmarks/experiments/README.md.)
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import time
 from absl import app, flags
 
 import jax
-import jax.numpy as jnp
 
-from benchmarks import baselines, probe_kernel
+from benchmarks import baselines
+from benchmarks.experiments import kernel_timing as kt
 from pallas_kernels import tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("m", 16384, "Rows.")
 flags.DEFINE_float("seconds", 4.0, "Seconds of back-to-back calls per variant.")
-# --out (JSON lines output) is probe_kernel's flag, shared.
+# --out (JSON lines output): kernel_timing's flag.
 
 
 def _sample(fn, args, seconds):
@@ -54,8 +55,8 @@ def _sample(fn, args, seconds):
 def main(argv):
   del argv
   m = FLAGS.m
-  w = probe_kernel._weight()
-  h, t = probe_kernel._inputs(m, 1)
+  w = kt.weight()
+  h, t = kt.inputs(m, 1)
   out = open(FLAGS.out, "w")
 
   def record(name, res):
@@ -65,14 +66,11 @@ def main(argv):
     print(json.dumps(row), flush=True)
 
   ws = tuning.BUCKETS["prefill"]
-  for name, diag in (("pallas_sm90 prefill kernel", ()), ("the same, skip_epilogue (no chain)", ("skip_epilogue",))):
-    run, prep = probe_kernel._kernel_fn(m, ws, diag=diag)
-    hp, tp, ip = prep(h, t)
-    record(name, _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+  run, prep = kt.kernel_fn(m, ws)
+  hp, tp, ip = prep(h, t)
+  record("pallas_sm90 prefill kernel", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
   record("xla gemm alone (cuBLAS)", _sample(jax.jit(baselines.gemm), (h, w), FLAGS.seconds))
   time.sleep(2)
-  run, prep = probe_kernel._kernel_fn(m, ws)
-  hp, tp, ip = prep(h, t)
   record("pallas_sm90 prefill kernel (again)", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
 
 

@@ -1,13 +1,18 @@
 """Kernel experiments on the GPU: time bit-neutral launch variants in one process.
 
 Not the benchmark runner (`benchmarks/run.py` is): this script times the
-pallas_sm90 forward kernel alone (`sm90_forward._forward_core` on pre-padded
-operands), the fold alone, the full `linear_logp` path, the XLA baselines and
-the chunked backward, for a list of launch variants, and checks that every
-variant gives the same partials bytes as the bucket's current config. Each
-experiment is one JSON line under --out; a table is printed at the end.
+pallas_sm90 forward kernel alone (its module's public `build` on pre-padded
+operands, `kernel_timing.kernel_fn`), the fold alone (`sm90_fold.build`), the
+full `linear_logp` path, the XLA baselines and the chunked backward, for a list
+of launch variants, and checks that every forward variant gives the same
+partials bytes as the first one timed at its M (and entry). Each experiment is
+one JSON line under --out; a table is printed at the end.
 
-  PYTHONPATH=. python3 -m benchmarks.probe_kernel --groups decode,prefill --out /tmp/probe.jsonl
+  PYTHONPATH=. python3 -m benchmarks.experiments.probe_kernel --groups decode,prefill --out /tmp/probe.jsonl
+
+The timing diagnostics of the kernels (skip_epilogue, no_exp, acc_max_only,
+dump_one_tile, pad_smem96, ...) are gone from the kernels; the variants and
+groups that used them are dropped here (benchmarks/experiments/README.md).
 
 Device: an H200 (nvidia-h200). Times are medians over --samples samples of
 --calls back-to-back calls with one synchronization (device time per call).
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import time
 import traceback
 
@@ -27,76 +31,20 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import baselines, cases, shapes
+from benchmarks import baselines
+from benchmarks.experiments import kernel_timing as kt
 from detlogp_jax import api, contract as C, grad
-from pallas_kernels import sm90_fold, sm90_forward, tuning
+from pallas_kernels import sm90_fold, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-                  "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, ws_pipe, smem, cluster, decode_ws).")
-flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
+                  "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws).")
+# --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
 flags.DEFINE_float("budget_s", 540.0, "Stop starting new experiments after this many seconds.")
 
-SHAPE = shapes.get("qwen3_8b")
-D, V_ROWS, V_REAL = SHAPE.d, SHAPE.v_rows, SHAPE.v_real
+D, V_ROWS, V_REAL = kt.D, kt.V_ROWS, kt.V_REAL
 F32 = jnp.float32
-
-
-def _inputs(m, seed):
-  """(hidden, targets) of the benchmark runner's input set `seed` at M = m."""
-  [(h, t)] = cases.make_inputs(SHAPE, jnp.bfloat16, seed, m)
-  return h, t
-
-
-def _weight():
-  return cases.make_weight(SHAPE, jnp.bfloat16, seed=99)
-
-
-def _time(fn, arg_sets, calls, samples):
-  out = fn(*arg_sets[0])
-  jax.block_until_ready(out)
-  for i in range(2):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-  times = []
-  for s in range(samples):
-    t0 = time.perf_counter()
-    outs = [fn(*arg_sets[(s * calls + j) % len(arg_sets)]) for j in range(calls)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) / calls * 1e3)
-    del outs
-  return out, {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
-
-
-def _calls(m):
-  return 20 if m <= 256 else (6 if m <= 4096 else 3)
-
-
-def _kernel_fn(m, cfg, *, return_logits=False, diag=()):
-  """Jitted kernel-only call on pre-padded operands (as `partials` builds them)."""
-  geom = sm90_forward.shard_geometry(V_REAL, V_ROWS)
-  n_pad = tuning.padded_rows(m, cfg)
-  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms() * cfg.ctas_per_sm)
-  lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
-
-  def prep(h, t):
-    pad = n_pad - m
-    return (jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(t, (0, pad), constant_values=C.IGNORE_INDEX),
-            jnp.ones((n_pad,), F32))
-
-  @jax.jit
-  def run(h, w, t, invt):
-    return sm90_forward._forward_core(
-        h, w, t, invt, n_pad=n_pad, d=D, lg_cols=V_ROWS, geom=geom, cfg=cfg, has_bias=False,
-        return_logits=return_logits, num_ctas=num_ctas, interpret=False, interpret_params=None,
-        lg_rows=lg_rows, fused_ptx=True, diag=tuple(diag))
-
-  return run, prep
-
-
-def _bits_equal(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  return bool(a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
 def _backward_variant(hidden, weight, targets, inv_t, lse, g_logp, *, vocab_size, chunk, dw_direct, z_bf16):
@@ -148,7 +96,7 @@ class Probe:
     self.t_start = time.perf_counter()
     self.budget_s = budget_s
     self.rows = []
-    self.w = _weight()
+    self.w = kt.weight()
     self.inputs = {}
     self.ref_bits = {}
 
@@ -166,29 +114,28 @@ class Probe:
 
   def sets(self, m):
     if m not in self.inputs:
-      self.inputs[m] = [_inputs(m, s) for s in (1, 2)]
+      self.inputs[m] = [kt.inputs(m, s) for s in (1, 2)]
     return self.inputs[m]
 
-  def kernel(self, group, name, m, cfg, *, return_logits=False, diag=(), ref_key=None):
+  def kernel(self, group, name, m, cfg, *, return_logits=False, ref_key=None):
     if self.over_budget():
       return
     try:
       t0 = time.perf_counter()
-      run, prep = _kernel_fn(m, cfg, return_logits=return_logits, diag=diag)
+      run, prep = kt.kernel_fn(m, cfg, return_logits=return_logits)
       arg_sets = [(*prep(h, t),) for h, t in self.sets(m)]
       arg_sets = [(a[0], self.w, a[1], a[2]) for a in arg_sets]
-      out, res = _time(run, arg_sets, _calls(m), self.samples)
-      extra = {"cfg": tuning.describe(cfg), "diag": list(diag), "wall_s": time.perf_counter() - t0}
-      if set(diag) <= {"zero_first", "mask_always"}:
-        key = ref_key or (m, return_logits)
-        # The M real rows only: a config with another rows/CTA pads to another n_pad
-        # (m, s are [n_local, n_pad]), and whole arrays of different shapes never compare equal.
-        bits = [np.asarray(x)[:, :m] for x in out[:3]] + [np.asarray(x)[:m] for x in out[3:]]
-        if key not in self.ref_bits:
-          self.ref_bits[key] = bits
-          extra["bits"] = "reference"
-        else:
-          extra["bits"] = "same" if all(_bits_equal(a, b) for a, b in zip(bits, self.ref_bits[key])) else "DIFFERENT"
+      out, res = kt.time_calls(run, arg_sets, kt.calls_for(m), self.samples)
+      extra = {"cfg": tuning.describe(cfg), "wall_s": time.perf_counter() - t0}
+      key = ref_key or (m, return_logits)
+      # The M real rows only: a config with another rows/CTA pads to another n_pad
+      # (m, s are [n_local, n_pad]), and whole arrays of different shapes never compare equal.
+      bits = [np.asarray(x)[:, :m] for x in out[:3]] + [np.asarray(x)[:m] for x in out[3:]]
+      if key not in self.ref_bits:
+        self.ref_bits[key] = bits
+        extra["bits"] = "reference"
+      else:
+        extra["bits"] = "same" if all(kt.bits_equal(a, b) for a, b in zip(bits, self.ref_bits[key])) else "DIFFERENT"
       self.record(group, name, m, res, **extra)
     except Exception as e:  # keep going: one failing variant must not end the run
       self.record(group, name, m, {"error": f"{type(e).__name__}: {str(e)[:400]}"})
@@ -199,27 +146,28 @@ class Probe:
       return
     try:
       t0 = time.perf_counter()
-      _, res = _time(fn, arg_sets, calls or _calls(m), self.samples)
+      _, res = kt.time_calls(fn, arg_sets, calls or kt.calls_for(m), self.samples)
       self.record(group, name, m, res, wall_s=time.perf_counter() - t0)
     except Exception as e:
       self.record(group, name, m, {"error": f"{type(e).__name__}: {str(e)[:400]}"})
       traceback.print_exc()
 
 
-# The prefill configuration before the epilogue warpgroup (chain in the wgmma warpgroups,
-# 5 stages): the base of the experiment groups of the first two sessions.
-CHAIN_IN_WGMMA = dataclasses.replace(tuning.BUCKETS["prefill"], name="prefill-chain", epilogue_wgs=0,
-                                     max_concurrent_steps=5)
-
-
-# The decode configuration before the epilogue warpgroup (fourth session): chain in the one
-# wgmma warpgroup, 6 stages.
-DECODE_CHAIN_IN_WGMMA = dataclasses.replace(tuning.BUCKETS["decode"], name="decode-chain", epilogue_wgs=0,
-                                            max_concurrent_steps=6)
+CHAIN_IN_WGMMA = kt.CHAIN_IN_WGMMA
+DECODE_CHAIN_IN_WGMMA = kt.DECODE_CHAIN_IN_WGMMA
 
 
 def _v(base, name, **kw):
+  """A variant of a base config. epilogue_wgs picks the kernel: 0 the chain-in-wgmma kernel,
+  1 or 2 the epilogue-warpgroup kernel (the shared launch fields carry over)."""
   cfg = {"prefill_chain": CHAIN_IN_WGMMA, "decode_chain": DECODE_CHAIN_IN_WGMMA}.get(base) or tuning.BUCKETS[base]
+  epi = kw.pop("epilogue_wgs", None)
+  if epi == 0:
+    return kt.as_wgmma(cfg, name=name, **kw)
+  if epi is not None:
+    if isinstance(cfg, tuning.WsForwardConfig):
+      return dataclasses.replace(cfg, name=name, epilogue_wgs=epi, **kw)
+    return kt.as_ws(cfg, name=name, epilogue_wgs=epi, **kw)
   return dataclasses.replace(cfg, name=name, **kw)
 
 
@@ -251,7 +199,6 @@ def main(argv):
       p.kernel("decode", "decode chain-in-wgmma", m, _v("decode_chain", "d0"))
       p.kernel("decode", "decode chain-in-wgmma+delay", m, _v("decode_chain", "d1", delay_release=1))
       p.kernel("decode", "decode chain-in-wgmma+st8", m, _v("decode_chain", "d2", max_concurrent_steps=8))
-      p.kernel("decode", "decode-skip-epi", m, tuning.BUCKETS["decode"], diag=("skip_epilogue",))
 
   if "fold" in groups:
     # The fold alone on pre-padded split-major partials, per layout / knob
@@ -277,12 +224,13 @@ def main(argv):
       it = jnp.ones((n_max,), F32)
       ref = None
       for name, knobs in variants:
-        rb = sm90_fold.row_block(staged=knobs["staged"], rows=knobs.get("rows", sm90_fold.ROWS))
+        fcfg = sm90_fold.config(**knobs)
+        rb = sm90_fold.row_block(fcfg)
         n_pad = -(-m // rb) * rb
         args = (mt[:, :n_pad], st[:, :n_pad], zt[:n_pad], tg[:n_pad], it[:n_pad])
-        f = jax.jit(lambda a, b, c, d, e, n_pad=n_pad, knobs=knobs: sm90_fold._fold_core(
-            a, b, c, d, e, n_split=n_split, n_pad=n_pad, vocab_size=V_REAL, interpret=False, interpret_params=None,
-            **knobs))
+        f = jax.jit(lambda a, b, c, d, e, n_pad=n_pad, fcfg=fcfg: sm90_fold.build(
+            n_split=n_split, n_pad=n_pad, vocab_size=V_REAL, interpret=False, interpret_params=None,
+            cfg=fcfg)(a, b, c, d, e))
         try:
           out = [np.asarray(x)[:m] for x in f(*args)]
         except Exception:  # noqa: BLE001 - record and go on with the other variants
@@ -291,7 +239,7 @@ def main(argv):
         p.generic("fold", name, m, f, [args])
         if ref is None:
           ref = out
-        elif not all(_bits_equal(a, b) for a, b in zip(out, ref)):
+        elif not all(kt.bits_equal(a, b) for a, b in zip(out, ref)):
           p.record("fold", name, m, {"error": f"bits differ from {variants[0][0]}"})
       # The whole fold as callers run it (row padding included), on [n_split, m].
       for name, knobs in (("fold_transposed staged", {}), ("fold_transposed rowloop", dict(staged=False))):
@@ -312,23 +260,13 @@ def main(argv):
     p.kernel("prefill", "+delay+g8", m, _v("prefill_chain", "p3", delay_release=1, split_group=8))
     p.kernel("prefill", "+delay+g16", m, _v("prefill_chain", "p4", delay_release=1, split_group=16))
     p.kernel("prefill", "+delay+st4", m, _v("prefill_chain", "p5", delay_release=1, max_concurrent_steps=4))
-    p.kernel("prefill", "+delay+3wg", m, _v("prefill_chain", "p6", delay_release=1, num_compute_wgs=3, max_concurrent_steps=4))
-    p.kernel("prefill", "skip-epi", m, CHAIN_IN_WGMMA, diag=("skip_epilogue",))
-    p.kernel("prefill", "+delay skip-epi", m, _v("prefill_chain", "p1", delay_release=1), diag=("skip_epilogue",))
+    # (+delay+3wg, three consumer warpgroups, is gone: WgmmaForwardConfig refuses num_compute_wgs=3.)
     sets = [(h, p.w) for h, _ in p.sets(m)]
     p.generic("prefill", "gemm-bf16", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
   if "epi" in groups:
     m = 4096
-    old = ("zero_first", "mask_always")
-    p.kernel("epi", "old(zero_first,mask_always)", m, CHAIN_IN_WGMMA, diag=old)
     p.kernel("epi", "new", m, CHAIN_IN_WGMMA)
-    p.kernel("epi", "zero_first", m, CHAIN_IN_WGMMA, diag=("zero_first",))
-    p.kernel("epi", "mask_always", m, CHAIN_IN_WGMMA, diag=("mask_always",))
-    p.kernel("epi", "new no_hit", m, CHAIN_IN_WGMMA, diag=("no_hit",))
-    p.kernel("epi", "new no_exp", m, CHAIN_IN_WGMMA, diag=("no_exp",))
-    p.kernel("epi", "old no_mask", m, CHAIN_IN_WGMMA, diag=("zero_first", "no_mask"))
-    p.kernel("epi", "skip_epilogue", m, CHAIN_IN_WGMMA, diag=("skip_epilogue",))
     p.kernel("epi", "new+g8", m, _v("prefill_chain", "p7", split_group=8))
     p.kernel("epi", "new+delay", m, _v("prefill_chain", "p1", delay_release=1))
     p.kernel("epi", "new st4", m, _v("prefill_chain", "p8", max_concurrent_steps=4))
@@ -344,29 +282,22 @@ def main(argv):
   if "epi_small" in groups:
     for m in (1, 64):
       p.kernel("epi_small", "decode new", m, tuning.BUCKETS["decode"])
-      p.kernel("epi_small", "decode old", m, tuning.BUCKETS["decode"], diag=("zero_first", "mask_always"))
     for m in (256, 1024):
       p.kernel("epi_small", "natural new", m, tuning.select_bucket(m))
-      p.kernel("epi_small", "natural old", m, tuning.select_bucket(m), diag=("zero_first", "mask_always"))
     m = 4096
     p.kernel("epi_small", "serving new slots2", m, _v("prefill_chain", "l2", logits_slots=2), return_logits=True)
     p.kernel("epi_small", "serving new slots1", m, _v("prefill_chain", "l1", logits_slots=1), return_logits=True)
     p.kernel("epi_small", "serving new slots3", m, _v("prefill_chain", "l5", logits_slots=3), return_logits=True)
 
   if "epi_next" in groups:
-    # Next experiments on the chain's cost (not run yet): does it scale with the tiles
-    # per group, with the warpgroups running it, or is it a fixed cost of reading the
-    # accumulator at a group boundary? And the stage count of the shipped config.
+    # The stage count of the chain-in-wgmma prefill config. (The chain-cost diagnostics of
+    # this group, skip_epilogue / acc_max_only / one_tile / wg0_only / no_exp+no_hit, are
+    # dropped with the kernels' diag variants.)
     m = 4096
     base = CHAIN_IN_WGMMA
     p.kernel("epi_next", "prefill", m, base)
-    for diag in (("skip_epilogue",), ("acc_max_only",), ("one_tile",), ("wg0_only",), ("no_exp", "no_hit")):
-      p.kernel("epi_next", "+".join(diag), m, base, diag=diag)
     for st in (3, 4, 6):
       p.kernel("epi_next", f"st{st}", m, _v("prefill_chain", f"s{st}", max_concurrent_steps=st))
-      p.kernel("epi_next", f"st{st} skip_epilogue", m, _v("prefill_chain", f"s{st}", max_concurrent_steps=st),
-               diag=("skip_epilogue",))
-    p.kernel("epi_next", "g0 skip_epilogue", m, _v("prefill_chain", "g0", split_group=0), diag=("skip_epilogue",))
 
   if "ws" in groups:
     # Dedicated epilogue warpgroup (sm90_forward_ws): the chain of group g runs while the
@@ -377,11 +308,8 @@ def main(argv):
     p.kernel("ws", "prefill", m, base)
     p.kernel("ws", "ws1 tk64", m, ws("ws1"))
     p.kernel("ws", "ws1 tk64 auto_barriers", m, ws("ws1ab", auto_barriers=True))
-    p.kernel("ws", "ws1 tk64 skip_epilogue", m, ws("ws1"), diag=("skip_epilogue",))
     for st in (4, 6):
       p.kernel("ws", f"ws1 tk32 st{st}", m, ws(f"ws1k32s{st}", tile_k=32, max_concurrent_steps=st))
-      p.kernel("ws", f"ws1 tk32 st{st} skip_epilogue", m, ws(f"ws1k32s{st}", tile_k=32, max_concurrent_steps=st),
-               diag=("skip_epilogue",))
     for g in (0, 8):
       p.kernel("ws", f"ws1 tk32 st6 g{g}", m, ws(f"ws1k32g{g}", tile_k=32, max_concurrent_steps=6, split_group=g))
     for m in (16384, 1024):
@@ -393,37 +321,6 @@ def main(argv):
     p.kernel("ws", "ws1 tk64 serving", m, ws("ws1"), return_logits=True)
     p.kernel("ws", "ws1 tk32 st6 serving", m, ws("ws1k32s6", tile_k=32, max_concurrent_steps=6), return_logits=True)
 
-  if "ws_pipe" in groups:
-    # Why the ws pipeline alone (skip_epilogue) runs at ~7.4 ms while the chain-in-wgmma
-    # kernel at 3 stages without its chain ran at ~5.4 ms (probe_epi_next.jsonl).
-    m = 4096
-    base = tuning.BUCKETS["prefill"]
-    p.kernel("ws_pipe", "prefill(ws)", m, base)
-    p.kernel("ws_pipe", "prefill(ws) skip", m, base, diag=("skip_epilogue",))
-    p.kernel("ws_pipe", "ws st2 skip", m, _v("prefill", "st2", max_concurrent_steps=2), diag=("skip_epilogue",))
-    p.kernel("ws_pipe", "ws g0 skip", m, _v("prefill", "g0", split_group=0), diag=("skip_epilogue",))
-    p.kernel("ws_pipe", "old st3 skip", m, _v("prefill", "old3", epilogue_wgs=0), diag=("skip_epilogue",))
-    p.kernel("ws_pipe", "old st3", m, _v("prefill", "old3", epilogue_wgs=0))
-    p.kernel("ws_pipe", "old st5 skip", m, _v("prefill", "old5", epilogue_wgs=0, max_concurrent_steps=5),
-             diag=("skip_epilogue",))
-
-  if "smem" in groups:
-    # Does the pipeline's speed follow its shared-memory footprint? (Next-session question:
-    # 120 KiB pipelines ran at ~5.4 ms without a chain, >= 160 KiB ones at ~7.5 ms.)
-    m = 4096
-    p.kernel("smem", "ws (216 KiB)", m, tuning.BUCKETS["prefill"])
-    p.kernel("smem", "ws skip (216 KiB)", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
-    p.kernel("smem", "ws dump_one_tile st3 skip (152 KiB)", m, tuning.BUCKETS["prefill"],
-             diag=("skip_epilogue", "dump_one_tile"))
-    p.kernel("smem", "ws dump_one_tile st4 skip (192 KiB)", m, _v("prefill", "ws1t4", max_concurrent_steps=4),
-             diag=("skip_epilogue", "dump_one_tile"))
-    p.kernel("smem", "chain st3 skip (120 KiB)", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
-             diag=("skip_epilogue",))
-    p.kernel("smem", "chain st3 skip + 96 KiB pad (216 KiB)", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
-             diag=("skip_epilogue", "pad_smem96"))
-    p.kernel("smem", "chain st3 + 96 KiB pad", m, _v("prefill_chain", "c3", max_concurrent_steps=3),
-             diag=("pad_smem96",))
-
   if "cluster" in groups:
     # TMA multicast of the weight K slices over 2-CTA clusters (half the L2->SMEM
     # weight traffic per CTA). Bytes of every variant vs the shipped prefill config.
@@ -432,8 +329,6 @@ def main(argv):
       p.kernel("cluster", "prefill", m, tuning.BUCKETS["prefill"])
       p.kernel("cluster", "cluster2", m, c2)
     m = 4096
-    p.kernel("cluster", "prefill skip", m, tuning.BUCKETS["prefill"], diag=("skip_epilogue",))
-    p.kernel("cluster", "cluster2 skip", m, c2, diag=("skip_epilogue",))
     for g in (0, 2, 8):
       p.kernel("cluster", f"cluster2 g{g}", m, _v("prefill", f"c2g{g}", cluster=2, split_group=g))
     p.kernel("cluster", "prefill serving", m, tuning.BUCKETS["prefill"], return_logits=True)
@@ -458,10 +353,6 @@ def main(argv):
     p.kernel("decode_ws", "decode serving", m, DECODE_CHAIN_IN_WGMMA, return_logits=True)
     p.kernel("decode_ws", "ws decode st5 serving", m, _v("decode", "wsd5", epilogue_wgs=1, max_concurrent_steps=5),
              return_logits=True)
-    # Is a pipeline without a live accumulator dead code? The 3-stage chain-in-wgmma pipeline
-    # ran at 5.3 ms with `skip_epilogue` (the accumulator is never read); here it is read.
-    p.kernel("decode_ws", "chain st3 acc_max_only", 4096, _v("prefill_chain", "c3", max_concurrent_steps=3),
-             diag=("acc_max_only",))
 
   if "large" in groups:
     m = 16384

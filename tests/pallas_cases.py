@@ -1,0 +1,34 @@
+"""Inputs shared by the pallas_sm90 tests (CPU interpret tests and the GPU tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from detlogp_jax import contract as C
+from detlogp_jax import oracle
+
+
+def fold_problem(n, ns, v, seed):
+    """Partials with the fold's edge rows (NaN, all -inf, equal m, +-0, max in the last split):
+    (m [n, ns], s [n, ns], z_t [n], targets [n], inv_t [n])."""
+    rng = np.random.default_rng(seed)
+    m = rng.normal(0, 3, (n, ns)).astype(np.float32)
+    s = rng.uniform(0.5, 40, (n, ns)).astype(np.float32)
+    m[0, :], s[0, :] = -np.inf, 0  # all -inf: M = -inf, every w_j = 1, S = +0
+    m[1, ns - 1] = np.nan  # NaN in the last split (the ragged step of the staged fold)
+    m[2, ::2], s[2, ::2] = -np.inf, 0
+    m[3, :] = m[3, 0]  # equal m: every w_j = 1
+    m[4, :] = np.where(np.arange(ns) % 2, np.float32(0.0), np.float32(-0.0))  # +-0 maxima
+    s[4, :] = 1
+    m[5, :], s[5, :] = -np.inf, 0
+    m[5, ns - 1], s[5, ns - 1] = 2.5, 3.0  # the max only in the last split
+    s[6, ns // 2] = np.nan
+    m[7, 0] = 60.0  # one dominant split, the others underflow to w = 0
+    m[8, :] = np.float32(-1e-40)  # subnormal maxima (FTZ in the subtraction)
+    m[8, 0] = 0.0
+    z_t = rng.normal(0, 5, n).astype(np.float32)
+    z_t[9] = 1e-40
+    t = rng.integers(0, v, n).astype(np.int32)
+    t[10], t[11], t[12] = C.IGNORE_INDEX, v, -3
+    inv_t = oracle.inv_temperature(rng.uniform(0.3, 2, n).astype(np.float32), n)
+    return m, s, z_t, t, inv_t
