@@ -20,7 +20,9 @@ from detlogp_jax import xla_backend
 DEFAULT_BLOCK = 2048
 
 
-def chunked_logp(hidden, weight, targets, *, vocab_size: int, inv_t=1.0, block: int = DEFAULT_BLOCK, return_logits: bool = False):
+def chunked_logp(
+    hidden, weight, targets, *, vocab_size: int, inv_t=1.0, block: int = DEFAULT_BLOCK, return_logits: bool = False
+):
     """(logp [N], lse [N], logits [N, vocab_size] f32 | None), streaming over vocab blocks.
 
     hidden [N, D], weight [V_rows, D] (lm_head layout), targets [N] int
@@ -46,7 +48,9 @@ def chunked_logp(hidden, weight, targets, *, vocab_size: int, inv_t=1.0, block: 
         m_new = jnp.maximum(m, jnp.max(y, axis=1))
         m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all -inf so far: keep s = 0
         s = s * jnp.exp(m - m_ref) + jnp.sum(jnp.exp(y - m_ref[:, None]), axis=1)
-        y_t = y_t + jnp.sum(jnp.where(cols[None, :] == targets[:, None], jnp.where(valid[None, :], y, 0.0), 0.0), axis=1)
+        y_t = y_t + jnp.sum(
+            jnp.where(cols[None, :] == targets[:, None], jnp.where(valid[None, :], y, 0.0), 0.0), axis=1
+        )
         if buf is not None:
             buf = lax.dynamic_update_slice_in_dim(buf, z, start, axis=1)
         return m_new, s, y_t, buf

@@ -190,4 +190,3 @@ def make_inputs(shape: Shape, dtype, seed: int, m: int, sets: int = 1) -> list[t
         t = jax.random.randint(kt, (m,), 0, shape.v_real, jnp.int32)
         out.append((h, t))
     return out
-

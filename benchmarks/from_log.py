@@ -23,14 +23,15 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  """Flags of the command line only (the names are also benchmarks.run's)."""
-  flags.DEFINE_string("log", None, "Progress log of benchmarks.run.")
-  flags.DEFINE_string("shape", "qwen3_8b", "Shape name.")
-  flags.DEFINE_string("entry", "trainer", "trainer or serving.")
-  flags.DEFINE_string("mode", "fwd", "fwd or fwd_bwd.")
-  flags.DEFINE_string("out", None, "JSON path (the plot goes next to it as .png).")
-  flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth for the floor.")
-  flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak for the floor.")
+    """Flags of the command line only (the names are also benchmarks.run's)."""
+    flags.DEFINE_string("log", None, "Progress log of benchmarks.run.")
+    flags.DEFINE_string("shape", "qwen3_8b", "Shape name.")
+    flags.DEFINE_string("entry", "trainer", "trainer or serving.")
+    flags.DEFINE_string("mode", "fwd", "fwd or fwd_bwd.")
+    flags.DEFINE_string("out", None, "JSON path (the plot goes next to it as .png).")
+    flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth for the floor.")
+    flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak for the floor.")
+
 
 _LINE = re.compile(
     r"\(\d+/\d+\)\s+(?P<backend>\S+)\s+M=(?P<m>\d+)\s+median\s+(?P<med>[\d.]+) ms\s+\[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]"
@@ -45,10 +46,19 @@ def parse(text: str) -> list[report.CaseResult]:
         mt = _LINE.search(line)
         if not mt:
             continue
-        cases.append(report.CaseResult(
-            backend=mt["backend"], m=int(mt["m"]), status="ok", median_ms=float(mt["med"]),
-            min_ms=float(mt["lo"]), max_ms=float(mt["hi"]), tflops=float(mt["tf"]),
-            compile_s=float(mt["comp"]), determinism=mt["det"].strip()))
+        cases.append(
+            report.CaseResult(
+                backend=mt["backend"],
+                m=int(mt["m"]),
+                status="ok",
+                median_ms=float(mt["med"]),
+                min_ms=float(mt["lo"]),
+                max_ms=float(mt["hi"]),
+                tflops=float(mt["tf"]),
+                compile_s=float(mt["comp"]),
+                determinism=mt["det"].strip(),
+            )
+        )
     xla = {c.m: c.median_ms for c in cases if c.backend == "xla"}
     for c in cases:
         if c.m in xla:
@@ -57,22 +67,40 @@ def parse(text: str) -> list[report.CaseResult]:
 
 
 def main(argv):
-  del argv
-  text = open(FLAGS.log).read()
-  cases = parse(text)
-  # The runner's floor models (benchmarks.cases), for bf16 operands.
-  spec = bench_cases.CaseSpec(backend="xla", shape=shapes.SHAPES[FLAGS.shape], entry=FLAGS.entry, mode=FLAGS.mode)
-  fl = [{"m": m, "hbm_floor_ms": bench_cases.min_bytes(spec, m, 2) / (FLAGS.hbm_tbps * 1e12) * 1e3,
-         "compute_floor_ms": bench_cases.flops(spec, m) / (FLAGS.peak_tflops * 1e12) * 1e3}
-        for m in sorted({c.m for c in cases})]
-  doc = {"schema": report.SCHEMA, "rebuilt_from_log": FLAGS.log, "shape": FLAGS.shape, "entry": FLAGS.entry,
-         "mode": FLAGS.mode, "floors": fl, "cases": [c.as_dict() for c in cases]}
-  report.write_json(doc, FLAGS.out)
-  report.plot(cases, fl, FLAGS.out[:-5] + ".png",
-              f"{FLAGS.shape} {FLAGS.entry} {FLAGS.mode} (rebuilt from the progress log)", FLAGS.hbm_tbps, FLAGS.peak_tflops)
-  print(report.format_table(cases))
+    del argv
+    text = open(FLAGS.log).read()
+    cases = parse(text)
+    # The runner's floor models (benchmarks.cases), for bf16 operands.
+    spec = bench_cases.CaseSpec(backend="xla", shape=shapes.SHAPES[FLAGS.shape], entry=FLAGS.entry, mode=FLAGS.mode)
+    fl = [
+        {
+            "m": m,
+            "hbm_floor_ms": bench_cases.min_bytes(spec, m, 2) / (FLAGS.hbm_tbps * 1e12) * 1e3,
+            "compute_floor_ms": bench_cases.flops(spec, m) / (FLAGS.peak_tflops * 1e12) * 1e3,
+        }
+        for m in sorted({c.m for c in cases})
+    ]
+    doc = {
+        "schema": report.SCHEMA,
+        "rebuilt_from_log": FLAGS.log,
+        "shape": FLAGS.shape,
+        "entry": FLAGS.entry,
+        "mode": FLAGS.mode,
+        "floors": fl,
+        "cases": [c.as_dict() for c in cases],
+    }
+    report.write_json(doc, FLAGS.out)
+    report.plot(
+        cases,
+        fl,
+        FLAGS.out[:-5] + ".png",
+        f"{FLAGS.shape} {FLAGS.entry} {FLAGS.mode} (rebuilt from the progress log)",
+        FLAGS.hbm_tbps,
+        FLAGS.peak_tflops,
+    )
+    print(report.format_table(cases))
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+    _define_flags()
+    app.run(main)

@@ -25,7 +25,7 @@ import re
 import sys
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
@@ -38,82 +38,104 @@ _captured: list[str] = []
 
 
 def _capture_modules():
-  """Records each Mosaic module (no locations) as it is serialized into the custom call."""
-  original = mosaic_core._run_serde_pass
+    """Records each Mosaic module (no locations) as it is serialized into the custom call."""
+    original = mosaic_core._run_serde_pass
 
-  def run_serde_pass(module, *args, **kwargs):
-    if kwargs.get("serialize"):
-      _captured.append(module.operation.get_asm(enable_debug_info=False))
-    return original(module, *args, **kwargs)
+    def run_serde_pass(module, *args, **kwargs):
+        if kwargs.get("serialize"):
+            _captured.append(module.operation.get_asm(enable_debug_info=False))
+        return original(module, *args, **kwargs)
 
-  mosaic_core._run_serde_pass = run_serde_pass
+    mosaic_core._run_serde_pass = run_serde_pass
 
 
 def _take() -> str:
-  # The dump file name counts the modules lowered so far in the process; drop it so a
-  # hash does not depend on which variants were lowered before.
-  text = re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "", _captured.pop())
-  _captured.clear()
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
+    # The dump file name counts the modules lowered so far in the process; drop it so a
+    # hash does not depend on which variants were lowered before.
+    text = re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "", _captured.pop())
+    _captured.clear()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _sds(shape, dtype):
-  return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _lower(build, args, **static):
-  """Lowers build(**static)(*args) for CUDA (the Mosaic module is captured on the way)."""
-  jax.jit(lambda *a: build(**static)(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+    """Lowers build(**static)(*args) for CUDA (the Mosaic module is captured on the way)."""
+    jax.jit(lambda *a: build(**static)(*a)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def _forward_build(cfg):
-  return (sm90_forward_ws if isinstance(cfg, tuning.WsForwardConfig) else sm90_forward_wgmma).build
+    return (sm90_forward_ws if isinstance(cfg, tuning.WsForwardConfig) else sm90_forward_wgmma).build
 
 
 def forward_hashes():
-  configs = dict(tuning.BUCKETS)
-  configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
-  configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
-  for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):
-    geom = pk.shard_geometry(v, v_rows)
-    for name, cfg in configs.items():
-      n_pad = tuning.padded_rows(m, cfg)
-      for logits in (False, True):
-        for bias in (False, True):
-          args = [_sds((n_pad, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16)]
-          if bias:
-            args.append(_sds((v_rows + 64 * geom.tiles_per_group * (geom.n_groups + 1),), jnp.float32))
-          args += [_sds((n_pad,), jnp.int32), _sds((n_pad,), jnp.float32)]
-          _lower(_forward_build(cfg), args, n_pad=n_pad, d=d, lg_cols=v, geom=geom, cfg=cfg, has_bias=bias,
-                 return_logits=logits, num_ctas=132, interpret=False, interpret_params=None, lg_rows=m)
-          yield f"forward M={m} {name} logits={logits} bias={bias}", _take()
+    configs = dict(tuning.BUCKETS)
+    configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
+    configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
+    for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):
+        geom = pk.shard_geometry(v, v_rows)
+        for name, cfg in configs.items():
+            n_pad = tuning.padded_rows(m, cfg)
+            for logits in (False, True):
+                for bias in (False, True):
+                    args = [_sds((n_pad, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16)]
+                    if bias:
+                        args.append(_sds((v_rows + 64 * geom.tiles_per_group * (geom.n_groups + 1),), jnp.float32))
+                    args += [_sds((n_pad,), jnp.int32), _sds((n_pad,), jnp.float32)]
+                    _lower(
+                        _forward_build(cfg),
+                        args,
+                        n_pad=n_pad,
+                        d=d,
+                        lg_cols=v,
+                        geom=geom,
+                        cfg=cfg,
+                        has_bias=bias,
+                        return_logits=logits,
+                        num_ctas=132,
+                        interpret=False,
+                        interpret_params=None,
+                        lg_rows=m,
+                    )
+                    yield f"forward M={m} {name} logits={logits} bias={bias}", _take()
 
 
 def backward_hashes():
-  n, d, chunk = 256, 192, 512
-  for bias in (False, True):
-    args = [_sds((n, d), jnp.bfloat16), _sds((chunk, d), jnp.bfloat16)]
-    args += [_sds((chunk,), jnp.float32)] if bias else []
-    args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4 + [_sds((2,), jnp.int32)]
-    _lower(sm90_dz.build, args, n_pad=n, d=d, chunk=chunk, has_bias=bias, num_ctas=132, interpret=False,
-           interpret_params=None)
-    yield f"backward dz bias={bias}", _take()
+    n, d, chunk = 256, 192, 512
+    for bias in (False, True):
+        args = [_sds((n, d), jnp.bfloat16), _sds((chunk, d), jnp.bfloat16)]
+        args += [_sds((chunk,), jnp.float32)] if bias else []
+        args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4 + [_sds((2,), jnp.int32)]
+        _lower(
+            sm90_dz.build,
+            args,
+            n_pad=n,
+            d=d,
+            chunk=chunk,
+            has_bias=bias,
+            num_ctas=132,
+            interpret=False,
+            interpret_params=None,
+        )
+        yield f"backward dz bias={bias}", _take()
 
 
 def fold_hashes():
-  n, n_split = 300, 264
-  for knobs in ({}, {"staged": False}):
-    a, v, t = _sds((n, n_split), jnp.float32), _sds((n,), jnp.float32), _sds((n,), jnp.int32)
-    jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
-    yield f"fold {knobs or 'staged'}", _take()
+    n, n_split = 300, 264
+    for knobs in ({}, {"staged": False}):
+        a, v, t = _sds((n, n_split), jnp.float32), _sds((n,), jnp.float32), _sds((n,), jnp.int32)
+        jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
+        yield f"fold {knobs or 'staged'}", _take()
 
 
 def main():
-  _capture_modules()
-  for gen in (forward_hashes, backward_hashes, fold_hashes):
-    for name, digest in gen():
-      print(f"{digest}  {name}", flush=True)
+    _capture_modules()
+    for gen in (forward_hashes, backward_hashes, fold_hashes):
+        for name, digest in gen():
+            print(f"{digest}  {name}", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+    main()

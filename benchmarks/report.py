@@ -72,8 +72,18 @@ def _mb(x) -> str:
 
 
 TABLE_COLUMNS = (
-    ("backend", 12), ("M", 6), ("median_ms", 10), ("min_ms", 9), ("max_ms", 9), ("TFLOP/s", 8), ("TB/s", 7),
-    ("t/t_xla", 7), ("lse_dxla", 8), ("temp_MB", 8), ("peak_MB", 8), ("determinism", 0),
+    ("backend", 12),
+    ("M", 6),
+    ("median_ms", 10),
+    ("min_ms", 9),
+    ("max_ms", 9),
+    ("TFLOP/s", 8),
+    ("TB/s", 7),
+    ("t/t_xla", 7),
+    ("lse_dxla", 8),
+    ("temp_MB", 8),
+    ("peak_MB", 8),
+    ("determinism", 0),
 )
 
 
@@ -81,11 +91,20 @@ def _row(c: CaseResult) -> list[str]:
     if c.status != "ok":
         return [c.backend, str(c.m)] + [f"{c.status}: {c.note}"]
     return [
-        c.backend, str(c.m), _fmt(c.median_ms, ".4f"), _fmt(c.min_ms, ".4f"), _fmt(c.max_ms, ".4f"),
-        _fmt(c.tflops, ".2f"), _fmt(c.tbps, ".3f"), _fmt(c.time_vs_xla, ".2f"),
-        _fmt(c.lse_max_abs_diff_vs_xla, ".1e"), _mb(c.compiled_memory.get("temp_bytes")),
+        c.backend,
+        str(c.m),
+        _fmt(c.median_ms, ".4f"),
+        _fmt(c.min_ms, ".4f"),
+        _fmt(c.max_ms, ".4f"),
+        _fmt(c.tflops, ".2f"),
+        _fmt(c.tbps, ".3f"),
+        _fmt(c.time_vs_xla, ".2f"),
+        _fmt(c.lse_max_abs_diff_vs_xla, ".1e"),
+        _mb(c.compiled_memory.get("temp_bytes")),
         _mb(c.device_memory.get("peak_bytes_in_use")),
-        (c.determinism or "-") + (f"; grad {c.grad_determinism}" if c.grad_determinism else "") + ("" if not c.truncated else " [truncated]"),
+        (c.determinism or "-")
+        + (f"; grad {c.grad_determinism}" if c.grad_determinism else "")
+        + ("" if not c.truncated else " [truncated]"),
     ]
 
 
@@ -116,7 +135,9 @@ _STYLES = {
 }
 
 
-def plot(cases: Sequence[CaseResult], floors: Sequence[dict], path: str, title: str, hbm_tbps: float, peak_tflops: float) -> None:
+def plot(
+    cases: Sequence[CaseResult], floors: Sequence[dict], path: str, title: str, hbm_tbps: float, peak_tflops: float
+) -> None:
     """Time per call vs M (log-log): a line per backend, GEMM alone dashed, the two floors dotted."""
     import matplotlib
 
@@ -132,8 +153,20 @@ def plot(cases: Sequence[CaseResult], floors: Sequence[dict], path: str, title: 
     if floors:
         ms = [f["m"] for f in floors]
         floor_style = dict(ls=":", marker="_", markersize=16)  # the marker keeps a single-M floor visible
-        ax.plot(ms, [f["hbm_floor_ms"] for f in floors], color="gray", label=f"HBM floor (min bytes / {hbm_tbps:g} TB/s)", **floor_style)
-        ax.plot(ms, [f["compute_floor_ms"] for f in floors], color="tab:orange", label=f"compute floor (FLOPs / {peak_tflops:g} TFLOP/s)", **floor_style)
+        ax.plot(
+            ms,
+            [f["hbm_floor_ms"] for f in floors],
+            color="gray",
+            label=f"HBM floor (min bytes / {hbm_tbps:g} TB/s)",
+            **floor_style,
+        )
+        ax.plot(
+            ms,
+            [f["compute_floor_ms"] for f in floors],
+            color="tab:orange",
+            label=f"compute floor (FLOPs / {peak_tflops:g} TFLOP/s)",
+            **floor_style,
+        )
     shown = [c.median_ms for c in cases if c.status == "ok"] + [f["hbm_floor_ms"] for f in floors]
     if shown:  # keep the compute floor at tiny M from squashing the measured lines
         ax.set_ylim(0.5 * min(shown), 2.0 * max(shown))

@@ -23,13 +23,11 @@ import time
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging
-
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
+from absl import app, flags, logging
 
 from benchmarks import cases, report, shapes, timing
 from benchmarks.report import CaseResult
@@ -45,28 +43,44 @@ FLAGS = flags.FLAGS
 # (--verbosity itself stays available).
 if "v" in FLAGS and FLAGS["v"].name == "verbosity":
     delattr(FLAGS, "v")
-flags.DEFINE_enum("shape", "qwen3_8b", sorted(shapes.SHAPES) + ["custom"], "lm_head shape by name (see benchmarks/shapes.py).")
+flags.DEFINE_enum(
+    "shape", "qwen3_8b", sorted(shapes.SHAPES) + ["custom"], "lm_head shape by name (see benchmarks/shapes.py)."
+)
 flags.DEFINE_integer("d", None, "custom: hidden size D.")
 flags.DEFINE_integer("v", None, "custom: weight rows (padded vocab); default canonical padding of --v_real.")
 flags.DEFINE_integer("v_real", None, "custom: real vocabulary (vocab_size); default --v.")
 flags.DEFINE_list("m", [str(m) for m in DEFAULT_MS], "Rows per call (M) to sweep.")
-flags.DEFINE_list("backends", ["pallas_sm90", "xla", "xla_chunked", "gemm"], f"Backends, from {list(cases.ALL_BACKENDS)}.")
-flags.DEFINE_enum("entry", "trainer", list(cases.ENTRIES), "trainer: logp+lse; serving: also FP32 logits (return_logits=True).")
+flags.DEFINE_list(
+    "backends", ["pallas_sm90", "xla", "xla_chunked", "gemm"], f"Backends, from {list(cases.ALL_BACKENDS)}."
+)
+flags.DEFINE_enum(
+    "entry", "trainer", list(cases.ENTRIES), "trainer: logp+lse; serving: also FP32 logits (return_logits=True)."
+)
 flags.DEFINE_enum("mode", "fwd", list(cases.MODES), "fwd, or fwd_bwd = grad of sum(logp) w.r.t. hidden and weight.")
 flags.DEFINE_integer("warmup", 5, "Warmup calls per case (after compilation).")
 flags.DEFINE_integer("iters", 30, "Timed samples per case (a sample = --calls_per_sample calls, then one sync).")
-flags.DEFINE_integer("calls_per_sample", 1, "Back-to-back calls per timed sample (1 = sync after every call); >1 hides host dispatch/sync latency at small M.")
+flags.DEFINE_integer(
+    "calls_per_sample",
+    1,
+    "Back-to-back calls per timed sample (1 = sync after every call); >1 hides host dispatch/sync latency at small M.",
+)
 flags.DEFINE_enum("dtype", "bf16", list(DTYPES), "hidden/weight dtype.")
 flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
 flags.DEFINE_string("out", None, "JSON path (default benchmarks/results/<shape>_<entry>_<mode>_<device>.json).")
 flags.DEFINE_string("plot", None, "PNG path (default: --out with .png; 'none' to skip).")
-flags.DEFINE_float("max_seconds_per_case", 60.0, "Guard: warmup+timing budget per case; larger M of a backend predicted to exceed it are skipped.")
+flags.DEFINE_float(
+    "max_seconds_per_case",
+    60.0,
+    "Guard: warmup+timing budget per case; larger M of a backend predicted to exceed it are skipped.",
+)
 flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth (TB/s) for the memory floor in the plot (H200 measured ~4.0).")
 flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak (TFLOP/s) for the compute floor in the plot.")
 flags.DEFINE_integer("input_sets", 2, "Input sets (hidden, targets) rotated across calls; the weight is shared.")
 flags.DEFINE_enum("gemm_out", "bf16", ["bf16", "f32"], "Output dtype of the GEMM-alone ceiling.")
 flags.DEFINE_integer("chunk_block", 2048, "xla_chunked: vocab rows per block.")
-flags.DEFINE_string("tuning", "", "JSON dict of bit-neutral knobs passed to linear_logp (e.g. '{\"bucket\": \"prefill\"}').")
+flags.DEFINE_string(
+    "tuning", "", 'JSON dict of bit-neutral knobs passed to linear_logp (e.g. \'{"bucket": "prefill"}\').'
+)
 
 
 @dataclasses.dataclass
@@ -102,7 +116,15 @@ class RunConfig:
             raise ValueError("need iters >= 1, warmup >= 0, input_sets >= 1, calls_per_sample >= 1")
 
     def spec(self, backend: str) -> cases.CaseSpec:
-        return cases.CaseSpec(backend, self.shape, self.entry, self.mode, self.gemm_out, self.chunk_block, tuple(sorted(self.tuning.items())))
+        return cases.CaseSpec(
+            backend,
+            self.shape,
+            self.entry,
+            self.mode,
+            self.gemm_out,
+            self.chunk_block,
+            tuple(sorted(self.tuning.items())),
+        )
 
     def out_path(self) -> str:
         if self.out:
@@ -152,6 +174,7 @@ def device_tag() -> str:
 def _git_commit() -> str | None:
     """HEAD's sha, '+dirty' when tracked files are modified; None outside a git checkout."""
     try:
+
         def git(*args):
             return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
 
@@ -229,8 +252,12 @@ def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _Prob
     if m == 1:
         probes.put(backend, compiled)
     tm, first = timing.time_case(
-        compiled, arg_sets, warmup=cfg.warmup, iters=cfg.iters,
-        budget_s=cfg.max_seconds_per_case, calls_per_sample=cfg.calls_per_sample,
+        compiled,
+        arg_sets,
+        warmup=cfg.warmup,
+        iters=cfg.iters,
+        budget_s=cfg.max_seconds_per_case,
+        calls_per_sample=cfg.calls_per_sample,
     )
 
     again = compiled(*arg_sets[0])
@@ -250,13 +277,26 @@ def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _Prob
     rows = {f: np.asarray(first[f]) for f in ("logp", "lse") if f in first}
     del first
     result = CaseResult(
-        backend, m, "ok",
-        median_ms=tm.median_ms, min_ms=tm.min_ms, max_ms=tm.max_ms, times_ms=tm.times_ms,
-        warmup_done=tm.warmup_done, truncated=tm.truncated, compile_s=compile_s,
-        flops=flops, bytes_moved=nbytes, tflops=flops / sec / 1e12, tbps=nbytes / sec / 1e12,
-        compiled_memory=timing.compiled_memory(compiled), device_memory=timing.device_memory(),
-        determinism=timing.summarize(det, trivial=m == 1), determinism_detail=det,
-        grad_determinism=timing.summarize(grad_det, trivial=m == 1), grad_determinism_detail=grad_det,
+        backend,
+        m,
+        "ok",
+        median_ms=tm.median_ms,
+        min_ms=tm.min_ms,
+        max_ms=tm.max_ms,
+        times_ms=tm.times_ms,
+        warmup_done=tm.warmup_done,
+        truncated=tm.truncated,
+        compile_s=compile_s,
+        flops=flops,
+        bytes_moved=nbytes,
+        tflops=flops / sec / 1e12,
+        tbps=nbytes / sec / 1e12,
+        compiled_memory=timing.compiled_memory(compiled),
+        device_memory=timing.device_memory(),
+        determinism=timing.summarize(det, trivial=m == 1),
+        determinism_detail=det,
+        grad_determinism=timing.summarize(grad_det, trivial=m == 1),
+        grad_determinism_detail=grad_det,
         run_to_run=run_to_run,
     )
     return result, rows
@@ -310,8 +350,11 @@ def run(cfg: RunConfig) -> dict:
         _log(t_start, f"skipping backend {b}: {r}")
     todo = [b for b in cfg.backends if b not in skipped_backends]
     s = cfg.shape
-    _log(t_start, f"shape {s.name}: D={s.d} V_rows={s.v_rows} V_real={s.v_real} {cfg.dtype}; entry={cfg.entry} mode={cfg.mode}; "
-         f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}")
+    _log(
+        t_start,
+        f"shape {s.name}: D={s.d} V_rows={s.v_rows} V_real={s.v_real} {cfg.dtype}; entry={cfg.entry} mode={cfg.mode}; "
+        f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}",
+    )
     weight = make_weight(cfg)
     results, rows, last = [], {}, {}
     probes = _ProbeCache()
@@ -361,7 +404,9 @@ def execute(cfg: RunConfig) -> dict:
     if plot_path and results:
         env = doc["environment"]
         s = cfg.shape
-        title = f"{s.name} (D={s.d}, V={s.v_rows}/{s.v_real}) {cfg.dtype} {cfg.entry} {cfg.mode} on {env['device_kind']}"
+        title = (
+            f"{s.name} (D={s.d}, V={s.v_rows}/{s.v_real}) {cfg.dtype} {cfg.entry} {cfg.mode} on {env['device_kind']}"
+        )
         report.plot(results, doc["floors"], plot_path, title, cfg.hbm_tbps, cfg.peak_tflops)
     print(report.format_table(results))
     for b, r in doc["skipped_backends"].items():

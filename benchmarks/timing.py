@@ -7,10 +7,9 @@ import statistics
 import time
 from typing import Any, Sequence
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -57,7 +56,9 @@ def _timed_sample(compiled, arg_sets, first_index: int, calls: int) -> float:
     return dt / calls
 
 
-def time_case(compiled, arg_sets: Sequence[tuple], *, warmup: int, iters: int, budget_s: float, calls_per_sample: int = 1):
+def time_case(
+    compiled, arg_sets: Sequence[tuple], *, warmup: int, iters: int, budget_s: float, calls_per_sample: int = 1
+):
     """Warm up, then take `iters` timed samples rotating over `arg_sets`.
 
     A sample is one call followed by `jax.block_until_ready` (or, with
@@ -83,12 +84,21 @@ def time_case(compiled, arg_sets: Sequence[tuple], *, warmup: int, iters: int, b
 
 def compiled_memory(compiled) -> dict[str, int | None]:
     """XLA's memory analysis of the executable (works on CPU and GPU)."""
-    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "generated_code_size_in_bytes")
+    keys = (
+        "temp_size_in_bytes",
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     try:
         ma = compiled.memory_analysis()
     except Exception:
         ma = None
-    return {k.replace("_size_in_bytes", "_bytes"): (int(getattr(ma, k)) if ma is not None and hasattr(ma, k) else None) for k in keys}
+    return {
+        k.replace("_size_in_bytes", "_bytes"): (int(getattr(ma, k)) if ma is not None and hasattr(ma, k) else None)
+        for k in keys
+    }
 
 
 def device_memory() -> dict[str, int | None]:
@@ -114,7 +124,10 @@ def _as_bits(x):
 
 @jax.jit
 def _bits_equal(a, b):
-    eq = [jnp.array_equal(_as_bits(x), _as_bits(y)) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
+    eq = [
+        jnp.array_equal(_as_bits(x), _as_bits(y))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    ]
     return jnp.all(jnp.stack(eq))
 
 

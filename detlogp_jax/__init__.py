@@ -6,17 +6,29 @@ streaming vocabulary log-sum-exp under a frozen numeric contract
 """
 
 from detlogp_jax.api import LogpOutput, last_provenance, linear_logp, provenance
-from detlogp_jax.backends import StrictModeError, BackendUnavailableError, strict_mode
+from detlogp_jax.backends import BackendUnavailableError, StrictModeError, strict_mode
 from detlogp_jax.contract import CONTRACT_ID, CONTRACT_VERSION, ContractError, canonical_padded_vocab, split_bounds
 
 __version__ = "0.1.0"
 
 # Documented submodules, reachable as attributes (`detlogp_jax.flax.LogpHead`)
 # without importing them here: each is imported on first access.
-_LAZY_SUBMODULES = frozenset({
-    "api", "backends", "contract", "fingerprint", "flax", "grad", "inputs", "integrations", "numerics",
-    "oracle", "reference", "sampling",
-})
+_LAZY_SUBMODULES = frozenset(
+    {
+        "api",
+        "backends",
+        "contract",
+        "fingerprint",
+        "flax",
+        "grad",
+        "inputs",
+        "integrations",
+        "numerics",
+        "oracle",
+        "reference",
+        "sampling",
+    }
+)
 
 
 def __getattr__(name):
@@ -25,6 +37,7 @@ def __getattr__(name):
 
         return importlib.import_module(f"detlogp_jax.{name}")
     raise AttributeError(f"module 'detlogp_jax' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

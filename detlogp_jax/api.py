@@ -14,16 +14,15 @@ import functools
 import math
 from typing import NamedTuple
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from detlogp_jax import backends
+from detlogp_jax import backends, inputs, row_sharding, vma
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
-from detlogp_jax import inputs, row_sharding, vma
-from detlogp_jax.inputs import last_provenance
+from detlogp_jax.inputs import last_provenance  # noqa: F401  (re-exported: api.last_provenance)
+
 
 class LogpOutput(NamedTuple):
     """logp [...] f32, lse [...] f32 (of logits / T), logits [..., vocab_size] f32 or None,
@@ -63,15 +62,30 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
         # logits_cols: the backend writes the real vocabulary's columns only, so the
         # serving entry never copies an [N, V_rows] array to drop the padding columns.
         m, s, z_t, owned, logits = be.partials(
-            hidden, weight, bias, targets, inv_t,
-            vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
-            return_logits=cfg.return_logits, logits_cols=cfg.vocab_size if cfg.return_logits else None,
-            **cfg.layout_kwargs(), **kw,
+            hidden,
+            weight,
+            bias,
+            targets,
+            inv_t,
+            vocab_size=cfg.vocab_size,
+            padded_vocab_size=cfg.padded_vocab_size,
+            return_logits=cfg.return_logits,
+            logits_cols=cfg.vocab_size if cfg.return_logits else None,
+            **cfg.layout_kwargs(),
+            **kw,
         )
         logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
     else:
-        logp, lse, logits = be.forward(hidden, weight, bias, targets, inv_t, vocab_size=cfg.vocab_size,
-                                       return_logits=cfg.return_logits, **cfg.layout_kwargs())
+        logp, lse, logits = be.forward(
+            hidden,
+            weight,
+            bias,
+            targets,
+            inv_t,
+            vocab_size=cfg.vocab_size,
+            return_logits=cfg.return_logits,
+            **cfg.layout_kwargs(),
+        )
         if logits is not None:
             logits = logits[:, : cfg.vocab_size]
     return logp, lse, logits
@@ -91,8 +105,18 @@ def _core_bwd(cfg, res, cts):
     hidden, weight, bias, targets, inv_t, lse = res
     g_logp, g_lse, g_logits = cts
     dh, dw, db = grad_lib.backward(
-        hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, vocab_size=cfg.vocab_size,
-        dz=backends.get(cfg.backend).dz, weight_layout=cfg.weight_layout,
+        hidden,
+        weight,
+        bias,
+        targets,
+        inv_t,
+        lse,
+        g_logp,
+        g_lse,
+        g_logits,
+        vocab_size=cfg.vocab_size,
+        dz=backends.get(cfg.backend).dz,
+        weight_layout=cfg.weight_layout,
     )
     # Under vma typing (inside shard_map) a replicated weight's gradient is the sum
     # over the axes its rows' contributions vary over.
@@ -160,8 +184,9 @@ def linear_logp(
     C.check_no_overrides(tuning)
     # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
     targets = np.asarray(targets) if isinstance(targets, (list, tuple)) else targets
-    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size,
-                                    weight_layout)
+    vocab, padded = inputs.validate(
+        hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size, weight_layout
+    )
     lead = hidden.shape[:-1]
     n = math.prod(lead)
     if inputs.checked_mode(checked):
@@ -182,8 +207,9 @@ def linear_logp(
     run = functools.partial(_run, cfg=cfg)
     rows = row_sharding.explicit_rows(hidden, weight, bias)
     if rows is not None:
-        out = row_sharding.run_per_shard(run, *rows, hidden, weight, bias, targets, temperature,
-                                         logits=cfg.return_logits)
+        out = row_sharding.run_per_shard(
+            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits
+        )
     else:
         out = run(hidden, weight, bias, targets, temperature)
     return LogpOutput(*out, provenance=prov)
@@ -224,8 +250,9 @@ def _finish(logp, lse, logits, lead):
     return logp[:n].reshape(lead), lse[:n].reshape(lead), out_logits
 
 
-def provenance(hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto",
-               weight_layout="vd") -> C.Provenance:
+def provenance(
+    hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto", weight_layout="vd"
+) -> C.Provenance:
     """The provenance record a call with these arguments would get (no compute)."""
     h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
     be, fallback = backends.resolve(backend, h2, weight, weight_layout)

@@ -155,7 +155,9 @@ def guard_strict(backend: Backend, fallback: bool) -> None:
 
     def check():
         if _env_strict():
-            raise StrictModeError(f"DETLOGP_STRICT is set, but this cached computation was traced without it and serves {what}")
+            raise StrictModeError(
+                f"DETLOGP_STRICT is set, but this cached computation was traced without it and serves {what}"
+            )
 
     jax.debug.callback(check)
 

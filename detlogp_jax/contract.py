@@ -38,6 +38,7 @@ def bad_target(targets, vocab_size):
     [0, vocab_size) (its row's logp is NaN). Exact integer logic on numpy or jax arrays."""
     return ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab_size)
 
+
 # --- Pinned exp (software, separately rounded f32 ops, FTZ) -----------------------
 EXP_LOG2E = 1.44269502162933349609375  # f32(log2 e) = 0x3FB8AA3B
 EXP_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (t + M) - M rounds t half-to-even

@@ -104,5 +104,4 @@ def weight_fingerprint(weight, bias: Optional[jax.Array] = None) -> str:
 def check_fingerprints(expected: str, actual: str, *, what: str = "lm_head") -> None:
     """Raise :class:`FingerprintMismatchError` naming both fingerprints if they differ."""
     if expected != actual:
-        raise FingerprintMismatchError(
-            f"{what} fingerprint mismatch: expected {expected}, got {actual}")
+        raise FingerprintMismatchError(f"{what} fingerprint mismatch: expected {expected}, got {actual}")

@@ -23,11 +23,9 @@ bias) < 1e-5 with f32 inputs (also at the Qwen3 vocab), < 1e-2 with bf16 inputs.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from detlogp_jax import contract as C
 from detlogp_jax import vma
 
 DEFAULT_CHUNK = 8192  # bit-neutral for the forward; fixes the backward's sums
@@ -39,8 +37,22 @@ def _chunking(v_rows: int, chunk: int):
     return chunk, n_chunks
 
 
-def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, *, vocab_size: int,
-             chunk: int = DEFAULT_CHUNK, dz=None, weight_layout: str = "vd"):
+def backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    inv_t,
+    lse,
+    g_logp,
+    g_lse,
+    g_logits,
+    *,
+    vocab_size: int,
+    chunk: int = DEFAULT_CHUNK,
+    dz=None,
+    weight_layout: str = "vd",
+):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
     dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
@@ -56,8 +68,20 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
     g_lse = g_lse.astype(jnp.float32)
     inv_t = inv_t.astype(jnp.float32)
     if dz is not None and g_logits is None and weight_layout in dz.layouts and dz.supports(hidden, weight, chunk):
-        return _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
-                                  vocab_size=vocab_size, chunk=chunk, n_chunks=n_chunks, dz=dz)
+        return _backward_fused_dz(
+            hidden,
+            weight,
+            bias,
+            targets,
+            inv_t,
+            lse,
+            g_logp,
+            g_lse,
+            vocab_size=vocab_size,
+            chunk=chunk,
+            n_chunks=n_chunks,
+            dz=dz,
+        )
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
     # f32 models keep f32 GEMMs; bf16/f16 models run the two gradient GEMMs on
     # dz rounded to their dtype with f32 accumulation (the usual mixed precision).
@@ -69,8 +93,9 @@ def backward(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits,
 
     def dz_of(i, start, w_c, cols):
         fresh = (cols >= i * chunk) & (cols < vocab_size)  # each column once; real vocab only
-        z = jnp.einsum("nd,vd->nv" if v_axis == 0 else "nd,dv->nv", hidden, w_c, preferred_element_type=jnp.float32,
-                       precision=prec)
+        z = jnp.einsum(
+            "nd,vd->nv" if v_axis == 0 else "nd,dv->nv", hidden, w_c, preferred_element_type=jnp.float32, precision=prec
+        )
         if bias is not None:
             z = z + lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)[None, :]
         p = jnp.where(fresh[None, :], jnp.exp(z * inv_t[:, None] - lse[:, None]), 0.0)
@@ -102,8 +127,9 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_
         w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=v_axis)
         cols = start + jnp.arange(chunk)
         dz = dz_of(i, start, w_c, cols)
-        dh = dh + jnp.einsum(f"nv,{wd}->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32,
-                             precision=prec)
+        dh = dh + jnp.einsum(
+            f"nv,{wd}->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec
+        )
         dw = _update_dw(dw, dz, hidden, start, cols >= i * chunk, prec, v_axis)
         if db is not None:
             prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
@@ -152,8 +178,13 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
     # inv_t) has a NaN dz row: its own dh row, and every dW / db entry, are NaN,
     # as in the XLA-formed path.
     hp = jnp.pad(hidden, ((0, pad), (0, 0))) if pad else hidden
-    tp, it, lp, c1p, c2p = (padr(targets.astype(jnp.int32), -1), padr(inv_t, 1.0),
-                            padr(lse.astype(jnp.float32), jnp.inf), padr(c1), padr(c2))
+    tp, it, lp, c1p, c2p = (
+        padr(targets.astype(jnp.int32), -1),
+        padr(inv_t, 1.0),
+        padr(lse.astype(jnp.float32), jnp.inf),
+        padr(c1),
+        padr(c2),
+    )
 
     def dz_of(i, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)

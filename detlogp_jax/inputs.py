@@ -21,15 +21,13 @@ import math
 import numbers
 import os
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
-from detlogp_jax import backends
+from detlogp_jax import backends, numerics
 from detlogp_jax import contract as C
-from detlogp_jax import numerics
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -41,7 +39,9 @@ WEIGHT_LAYOUTS = ("vd", "dv")
 def check_layout(weight_layout) -> str:
     """The layout name, or a ValueError for anything else."""
     if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be 'vd' ([V, D], lm_head) or 'dv' ([D, V], a Flax kernel), got {weight_layout!r}")
+        raise ValueError(
+            f"weight_layout must be 'vd' ([V, D], lm_head) or 'dv' ([D, V], a Flax kernel), got {weight_layout!r}"
+        )
     return weight_layout
 
 
@@ -55,8 +55,9 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size,
-             weight_layout: str = "vd") -> tuple[int, int]:
+def validate(
+    hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size, weight_layout: str = "vd"
+) -> tuple[int, int]:
     """Checks a call's operands (trace time); returns (vocab_size, padded_vocab_size).
     `weight_layout` says which axis of the weight is the vocabulary ("vd": [V, D],
     "dv": [D, V]); a weight whose D axis does not match hidden's is refused."""
@@ -75,8 +76,7 @@ def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_voca
     if weight.shape[1 - v_axis] != d:
         other = "'dv' for a [D, V] kernel" if weight_layout == "vd" else "'vd' for a [V, D] lm_head"
         raise ValueError(
-            f"D mismatch: hidden [..., {d}] vs weight {tuple(weight.shape)} as {shape_name}; "
-            f"pass weight_layout={other}"
+            f"D mismatch: hidden [..., {d}] vs weight {tuple(weight.shape)} as {shape_name}; pass weight_layout={other}"
         )
     if weight.shape[v_axis] < 1:
         raise ValueError("weight must have at least one vocabulary row")
@@ -92,7 +92,9 @@ def validate(hidden, weight, targets, bias, temperature, vocab_size, padded_voca
     vocab, padded = vocab_sizes(v_rows, vocab_size, padded_vocab_size)
     if bias is not None:
         if not hasattr(bias, "shape") or tuple(bias.shape) != (v_rows,):
-            raise ValueError(f"bias must have shape ({v_rows},) like the weight's rows, got {getattr(bias, 'shape', bias)}")
+            raise ValueError(
+                f"bias must have shape ({v_rows},) like the weight's rows, got {getattr(bias, 'shape', bias)}"
+            )
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"bias must be floating point, got {bias.dtype}")
     validate_temperature(temperature, targets.shape)
@@ -123,7 +125,9 @@ def validate_temperature(temperature, row_shape) -> None:
     if not hasattr(temperature, "shape"):
         raise TypeError(f"temperature must be a positive scalar or an array of one value per row, got {temperature!r}")
     if tuple(temperature.shape) not in ((), tuple(row_shape)):
-        raise ValueError(f"temperature must be a scalar or have the targets' shape {tuple(row_shape)}, got {temperature.shape}")
+        raise ValueError(
+            f"temperature must be a scalar or have the targets' shape {tuple(row_shape)}, got {temperature.shape}"
+        )
     if not jnp.issubdtype(temperature.dtype, jnp.floating):
         raise TypeError(f"temperature must be floating point, got {temperature.dtype}")
     if is_concrete(temperature):
@@ -147,7 +151,9 @@ def check_targets(targets, vocab_size: int) -> None:
         bad = C.bad_target(t, vocab_size)
         if bad.any():
             idx = np.argwhere(bad)[0].tolist()
-            raise ValueError(f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}")
+            raise ValueError(
+                f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}"
+            )
 
     if is_concrete(targets):
         check(targets)
@@ -215,8 +221,9 @@ def last_provenance() -> C.Provenance | None:
     return _LAST_PROVENANCE[-1] if _LAST_PROVENANCE else None
 
 
-def make_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str,
-                    weight_layout: str = "vd") -> C.Provenance:
+def make_provenance(
+    be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str, weight_layout: str = "vd"
+) -> C.Provenance:
     """The provenance record of a call served by `be` (requested as `requested`)."""
     info = backends.platform_info()
     return C.Provenance(
@@ -237,8 +244,9 @@ def make_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: in
     )
 
 
-def record_provenance(be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str,
-                      weight_layout: str = "vd") -> C.Provenance:
+def record_provenance(
+    be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str, weight_layout: str = "vd"
+) -> C.Provenance:
     """Builds the call's provenance and makes it the one `last_provenance()` reports."""
     prov = make_provenance(be, fallback, vocab, padded, requested, weight_layout)
     _LAST_PROVENANCE[:] = [prov]

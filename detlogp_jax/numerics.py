@@ -13,7 +13,6 @@ is the spec, these are implementations.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

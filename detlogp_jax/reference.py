@@ -15,10 +15,8 @@ On XLA:CPU (FTZ/DAZ arithmetic) the logits equal `oracle.reference_logits`.
 
 from __future__ import annotations
 
-import numpy as np
-
-import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from detlogp_jax import contract as C

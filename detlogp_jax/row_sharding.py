@@ -15,7 +15,8 @@ unsharded inputs take the plain path (XLA's partitioner sees ordinary ops).
 from __future__ import annotations
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def _explicit_axes_in(x) -> tuple[object, list[tuple[int, tuple[str, ...]]]]:

@@ -208,8 +208,7 @@ def _gather(table, token):
 @jax.jit
 def _gather_jit(table, token):
     if not jnp.issubdtype(token.dtype, jnp.integer) or token.shape != table.shape[:-1]:
-        raise ValueError(
-            f"token must be integer with shape {table.shape[:-1]}, got {token.dtype}{token.shape}")
+        raise ValueError(f"token must be integer with shape {table.shape[:-1]}, got {token.dtype}{token.shape}")
     token = token.astype(jnp.int32)
     in_range = (token >= 0) & (token < table.shape[-1])
     got = jnp.take_along_axis(table, jnp.clip(token, 0, table.shape[-1] - 1)[..., None], -1)
@@ -243,8 +242,7 @@ def _gumbel(key, shape):
         rows = jax.vmap(lambda k: jax.random.bits(k, shape[-1:], jnp.uint32))(key.reshape(-1))
         bits = rows.reshape(shape)
     else:
-        raise ValueError(f"key must be a single key or have batch shape {shape[:-1]}, "
-                         f"got key shape {key.shape}")
+        raise ValueError(f"key must be a single key or have batch shape {shape[:-1]}, got key shape {key.shape}")
     u = ((bits >> 9).astype(jnp.float32) + np.float32(0.5)) * np.float32(2.0**-23)
     return -jnp.log(-jnp.log(u))
 

@@ -26,8 +26,9 @@ def logits(hidden, weight, bias=None, weight_layout: str = "vd"):
     return z
 
 
-def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_logits: bool = False,
-            weight_layout: str = "vd"):
+def forward(
+    hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_logits: bool = False, weight_layout: str = "vd"
+):
     """(logp, lse, logits|None) with XLA's own logsumexp; same semantics for
     ignore_index (+0) and bad targets (NaN) as the contract, other bits free."""
     z = logits(hidden, weight, bias, weight_layout)[:, :vocab_size]

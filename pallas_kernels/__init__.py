@@ -33,30 +33,40 @@ BACKEND_NAME = "pallas_sm90"
 
 
 def unavailable_reason() -> str:
-  """Why this backend cannot run on the default JAX device ("" when it can)."""
-  try:
-    import jax
+    """Why this backend cannot run on the default JAX device ("" when it can)."""
+    try:
+        import jax
 
-    devs = jax.devices()
-  except Exception as e:
-    return f"jax.devices() failed: {type(e).__name__}: {e}"
-  if not devs or devs[0].platform != "gpu":
-    return f"the default JAX device is {devs[0].platform if devs else 'missing'}, not a CUDA GPU"
-  cc = getattr(devs[0], "compute_capability", None)
-  if cc is None or str(cc).split(".")[0] != "9":
-    return f"the GPU {getattr(devs[0], 'device_kind', '?')} has compute capability {cc}, not 9.x (Hopper)"
-  return ""
+        devs = jax.devices()
+    except Exception as e:
+        return f"jax.devices() failed: {type(e).__name__}: {e}"
+    if not devs or devs[0].platform != "gpu":
+        return f"the default JAX device is {devs[0].platform if devs else 'missing'}, not a CUDA GPU"
+    cc = getattr(devs[0], "compute_capability", None)
+    if cc is None or str(cc).split(".")[0] != "9":
+        return f"the GPU {getattr(devs[0], 'device_kind', '?')} has compute capability {cc}, not 9.x (Hopper)"
+    return ""
 
 
 def is_available() -> bool:
-  """True if the default JAX backend has a CUDA GPU of compute capability 9.x."""
-  return not unavailable_reason()
+    """True if the default JAX backend has a CUDA GPU of compute capability 9.x."""
+    return not unavailable_reason()
 
 
 def supports(hidden, weight) -> tuple[bool, str]:
-  """(ok, reason): whether this backend accepts these operands (shapes/dtypes only)."""
-  why = unsupported(hidden, weight)
-  return (why is None), (why or "ok")
+    """(ok, reason): whether this backend accepts these operands (shapes/dtypes only)."""
+    why = unsupported(hidden, weight)
+    return (why is None), (why or "ok")
 
 
-__all__ = ["BACKEND_NAME", "partials", "fold", "is_available", "unavailable_reason", "supports", "shard_geometry", "BUCKETS", "select_bucket"]
+__all__ = [
+    "BACKEND_NAME",
+    "partials",
+    "fold",
+    "is_available",
+    "unavailable_reason",
+    "supports",
+    "shard_geometry",
+    "BUCKETS",
+    "select_bucket",
+]

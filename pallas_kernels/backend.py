@@ -8,24 +8,25 @@ from detlogp_jax.backends import Backend, DzKernel
 
 
 def backend_entry() -> Backend:
-  """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
-  import pallas_kernels as pk
-  from pallas_kernels import sm90_dz, wrapper
+    """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
+    import pallas_kernels as pk
+    from pallas_kernels import sm90_dz, wrapper
 
-  return Backend(
-      name="pallas_sm90",
-      contract_bearing=True,
-      available=pk.is_available,
-      supports=pk.supports,
-      partials=pk.partials,
-      fold=pk.fold,
-      dz=DzKernel(
-          fn=sm90_dz.dz_chunk,
-          supports=lambda h, w, chunk: (h.dtype == jnp.bfloat16 and wrapper.unsupported(h, w) is None
-                                        and sm90_dz.chunk_supported(chunk)),
-          row_multiple=sm90_dz.ROWS_PER_CTA,
-      ),
-      description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
-      knobs=frozenset({"bucket", "num_ctas"}),
-      unavailable_reason=pk.unavailable_reason,
-  )
+    return Backend(
+        name="pallas_sm90",
+        contract_bearing=True,
+        available=pk.is_available,
+        supports=pk.supports,
+        partials=pk.partials,
+        fold=pk.fold,
+        dz=DzKernel(
+            fn=sm90_dz.dz_chunk,
+            supports=lambda h, w, chunk: (
+                h.dtype == jnp.bfloat16 and wrapper.unsupported(h, w) is None and sm90_dz.chunk_supported(chunk)
+            ),
+            row_multiple=sm90_dz.ROWS_PER_CTA,
+        ),
+        description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
+        knobs=frozenset({"bucket", "num_ctas"}),
+        unavailable_reason=pk.unavailable_reason,
+    )

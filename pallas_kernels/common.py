@@ -39,108 +39,112 @@ SWIZZLE = 128
 
 @dataclasses.dataclass(frozen=True)
 class ShardGeometry:
-  """Static description of the local shard's splits (all Python ints)."""
+    """Static description of the local shard's splits (all Python ints)."""
 
-  vocab_size: int
-  padded_vocab_size: int
-  col_offset: int
-  shard_cols: int
-  split_first: int  # global index of the first local split
-  n_local: int  # number of local splits
-  groups: int  # plan.groups
-  size: int  # tiles per plan group
-  parts: int  # plan.parts_per_group (q)
-  max_tiles: int  # max tiles of a local split
-  tiles_per_group: int  # w: wgmma N = 64 * w
-  n_groups: int  # tile groups per split (static; surplus tiles are masked)
-  local_starts: tuple[int, ...]  # global start tile of each local split
-  local_ends: tuple[int, ...]
+    vocab_size: int
+    padded_vocab_size: int
+    col_offset: int
+    shard_cols: int
+    split_first: int  # global index of the first local split
+    n_local: int  # number of local splits
+    groups: int  # plan.groups
+    size: int  # tiles per plan group
+    parts: int  # plan.parts_per_group (q)
+    max_tiles: int  # max tiles of a local split
+    tiles_per_group: int  # w: wgmma N = 64 * w
+    n_groups: int  # tile groups per split (static; surplus tiles are masked)
+    local_starts: tuple[int, ...]  # global start tile of each local split
+    local_ends: tuple[int, ...]
 
-  @property
-  def group_cols(self) -> int:
-    return TILE * self.tiles_per_group
+    @property
+    def group_cols(self) -> int:
+        return TILE * self.tiles_per_group
 
 
-def shard_geometry(vocab_size: int, padded_vocab_size: int, col_offset: int = 0, shard_cols: int | None = None) -> ShardGeometry:
-  """The local splits of `split_bounds(padded_vocab_size)` in [col_offset, col_offset + shard_cols).
+def shard_geometry(
+    vocab_size: int, padded_vocab_size: int, col_offset: int = 0, shard_cols: int | None = None
+) -> ShardGeometry:
+    """The local splits of `split_bounds(padded_vocab_size)` in [col_offset, col_offset + shard_cols).
 
-  Raises `contract.ContractError` if the shard edges are not split edges.
-  """
-  vocab_size, padded_vocab_size = int(vocab_size), int(padded_vocab_size)
-  if not 1 <= vocab_size <= padded_vocab_size:
-    raise ValueError(f"need 1 <= vocab_size <= padded_vocab_size, got {vocab_size}, {padded_vocab_size}")
-  plan = C.split_bounds(padded_vocab_size)
-  shard_cols = padded_vocab_size - int(col_offset) if shard_cols is None else int(shard_cols)
-  col_offset = int(col_offset)
-  if col_offset < 0 or shard_cols <= 0 or col_offset + shard_cols > plan.n_tiles * TILE:
-    raise ValueError(f"shard [{col_offset}, {col_offset + shard_cols}) outside the padded vocabulary {padded_vocab_size}")
-  local = list(C.local_splits(padded_vocab_size, col_offset, shard_cols))
-  starts = tuple(plan.starts[j] for j in local)
-  ends = tuple(plan.ends[j] for j in local)
-  sizes = tuple(e - s for s, e in zip(starts, ends))
-  w = tuning.tiles_per_group(sizes)
-  return ShardGeometry(
-      vocab_size=vocab_size,
-      padded_vocab_size=padded_vocab_size,
-      col_offset=col_offset,
-      shard_cols=shard_cols,
-      split_first=local[0],
-      n_local=len(local),
-      groups=plan.groups,
-      size=plan.n_tiles // plan.groups,
-      parts=plan.parts_per_group,
-      max_tiles=max(sizes),
-      tiles_per_group=w,
-      n_groups=-(-max(sizes) // w),
-      local_starts=starts,
-      local_ends=ends,
-  )
+    Raises `contract.ContractError` if the shard edges are not split edges.
+    """
+    vocab_size, padded_vocab_size = int(vocab_size), int(padded_vocab_size)
+    if not 1 <= vocab_size <= padded_vocab_size:
+        raise ValueError(f"need 1 <= vocab_size <= padded_vocab_size, got {vocab_size}, {padded_vocab_size}")
+    plan = C.split_bounds(padded_vocab_size)
+    shard_cols = padded_vocab_size - int(col_offset) if shard_cols is None else int(shard_cols)
+    col_offset = int(col_offset)
+    if col_offset < 0 or shard_cols <= 0 or col_offset + shard_cols > plan.n_tiles * TILE:
+        raise ValueError(
+            f"shard [{col_offset}, {col_offset + shard_cols}) outside the padded vocabulary {padded_vocab_size}"
+        )
+    local = list(C.local_splits(padded_vocab_size, col_offset, shard_cols))
+    starts = tuple(plan.starts[j] for j in local)
+    ends = tuple(plan.ends[j] for j in local)
+    sizes = tuple(e - s for s, e in zip(starts, ends))
+    w = tuning.tiles_per_group(sizes)
+    return ShardGeometry(
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        col_offset=col_offset,
+        shard_cols=shard_cols,
+        split_first=local[0],
+        n_local=len(local),
+        groups=plan.groups,
+        size=plan.n_tiles // plan.groups,
+        parts=plan.parts_per_group,
+        max_tiles=max(sizes),
+        tiles_per_group=w,
+        n_groups=-(-max(sizes) // w),
+        local_starts=starts,
+        local_ends=ends,
+    )
 
 
 def work_item(i, n_local: int, n_rb: int, split_group: int):
-  """(local split, row block) of work item i (bit-neutral: only the order changes).
+    """(local split, row block) of work item i (bit-neutral: only the order changes).
 
-  split_group == 0: row blocks fastest. G > 0: splits in groups of G (the last
-  group may be smaller); inside a group the split index moves fastest, so a
-  wave of CTAs covers a G-split x (CTAs / G)-row-block rectangle. (The dz
-  kernel passes its column blocks as the "splits".)
-  """
-  if split_group <= 0:
-    return i // n_rb, i % n_rb
-  g = min(split_group, n_local)
-  span = g * n_rb
-  grp = i // span
-  rem = i - grp * span
-  width = jnp.minimum(g, n_local - grp * g)
-  rb = rem // width
-  return grp * g + (rem - rb * width), rb
+    split_group == 0: row blocks fastest. G > 0: splits in groups of G (the last
+    group may be smaller); inside a group the split index moves fastest, so a
+    wave of CTAs covers a G-split x (CTAs / G)-row-block rectangle. (The dz
+    kernel passes its column blocks as the "splits".)
+    """
+    if split_group <= 0:
+        return i // n_rb, i % n_rb
+    g = min(split_group, n_local)
+    span = g * n_rb
+    grp = i // span
+    rem = i - grp * span
+    width = jnp.minimum(g, n_local - grp * g)
+    rb = rem // width
+    return grp * g + (rem - rb * width), rb
 
 
 def split_tiles(geom: ShardGeometry, j):
-  """(start, end) tile of global split j (traced int32), per contract.split_bounds."""
-  q, size = geom.parts, geom.size
-  a = j // q
-  p = j - a * q
-  return a * size + (p * size) // q, a * size + ((p + 1) * size) // q
+    """(start, end) tile of global split j (traced int32), per contract.split_bounds."""
+    q, size = geom.parts, geom.size
+    a = j // q
+    p = j - a * q
+    return a * size + (p * size) // q, a * size + ((p + 1) * size) // q
 
 
 def row_layout():
-  """Register layout of a [block_m] row vector of a WGMMA-layout tile."""
-  return plgpu.Layout.WGMMA.reduce(1)
+    """Register layout of a [block_m] row vector of a WGMMA-layout tile."""
+    return plgpu.Layout.WGMMA.reduce(1)
 
 
 def col_layout():
-  """Register layout of a [cols] column vector of a WGMMA-layout tile (e.g. the bias)."""
-  return plgpu.Layout.WGMMA.reduce(0)
+    """Register layout of a [cols] column vector of a WGMMA-layout tile (e.g. the bias)."""
+    return plgpu.Layout.WGMMA.reduce(0)
 
 
 def layout_of(shape):
-  """The register layout of a forward kernel's arrays of this shape (for `ptx_ops.PtxOps`)."""
-  if len(shape) == 2:
-    return plgpu.Layout.WGMMA
-  if len(shape) == 1:
-    return row_layout()
-  raise ValueError(f"no register layout for shape {shape}")
+    """The register layout of a forward kernel's arrays of this shape (for `ptx_ops.PtxOps`)."""
+    if len(shape) == 2:
+        return plgpu.Layout.WGMMA
+    if len(shape) == 1:
+        return row_layout()
+    raise ValueError(f"no register layout for shape {shape}")
 
 
 cast = interpret_utils.cast
@@ -148,64 +152,82 @@ load = interpret_utils.load
 
 
 def zero_acc(acc_ref, bm, cols, interpret):
-  """acc := +0 (the next group's K walk starts from a zero accumulator)."""
-  zeros = jnp.zeros((bm, cols), F32)
-  if interpret:
-    # Interpret mode models the accumulator as a plain buffer and has no rule
-    # for the accumulator-store primitive; a plain ref store is equivalent.
-    from jax._src.state import primitives as state_primitives
+    """acc := +0 (the next group's K walk starts from a zero accumulator)."""
+    zeros = jnp.zeros((bm, cols), F32)
+    if interpret:
+        # Interpret mode models the accumulator as a plain buffer and has no rule
+        # for the accumulator-store primitive; a plain ref store is equivalent.
+        from jax._src.state import primitives as state_primitives
 
-    state_primitives.ref_set(acc_ref, (slice(None), slice(None)), zeros)
-  else:
-    acc_ref[...] = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+        state_primitives.ref_set(acc_ref, (slice(None), slice(None)), zeros)
+    else:
+        acc_ref[...] = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
 
 def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, interpret):
-  """One tile of a split's chain plus the target capture: (m, S, z_t) -> (m', S', z_t').
+    """One tile of a split's chain plus the target capture: (m, S, z_t) -> (m', S', z_t').
 
-  z: [BM, 64] post-bias FP32 logits of global tile `tile`; t1: the split's end
-  tile; limit: the first column not owned by the chain (min(vocab, split end)).
-  The contract step is `tile_math.chain_tile`; only tiles reaching past
-  `limit` take the masked variant (on all others the masks are identities, so
-  both give the same bits); the branch is uniform across the CTA. Rows whose
-  target lies in this tile of this split take z at the target column as z_t.
-  """
-  tcol0 = tile * TILE
-  col = col_iota + tcol0
+    z: [BM, 64] post-bias FP32 logits of global tile `tile`; t1: the split's end
+    tile; limit: the first column not owned by the chain (min(vocab, split end)).
+    The contract step is `tile_math.chain_tile`; only tiles reaching past
+    `limit` take the masked variant (on all others the masks are identities, so
+    both give the same bits); the branch is uniform across the CTA. Rows whose
+    target lies in this tile of this split take z at the target column as z_t.
+    """
+    tcol0 = tile * TILE
+    col = col_iota + tcol0
 
-  def chain(m, s, z, col, masked):
-    return tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret, masked=masked)
+    def chain(m, s, z, col, masked):
+        return tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret, masked=masked)
 
-  m, s, z_hit = lax.cond(
-      (tile + 1) * TILE <= limit,
-      lambda m, s, z, col: chain(m, s, z, col, False),
-      lambda m, s, z, col: chain(m, s, z, col, True),
-      m, s, z, col,
-  )
-  row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
-  return m, s, jnp.where(row_hit, z_hit, zt)
+    m, s, z_hit = lax.cond(
+        (tile + 1) * TILE <= limit,
+        lambda m, s, z, col: chain(m, s, z, col, False),
+        lambda m, s, z, col: chain(m, s, z, col, True),
+        m,
+        s,
+        z,
+        col,
+    )
+    row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
+    return m, s, jnp.where(row_hit, z_hit, zt)
 
 
 def unpack_refs(refs, has_bias: bool, return_logits: bool):
-  """(h, w, bias | None, targets, inv_t, m_out, s_out, zt_out, logits_out | None) of a forward
-  kernel's refs: inputs (hidden, weight, [bias], targets, inv_t), then outputs (`out_type`)."""
-  refs = list(refs)
-  h, w = refs[:2]
-  b = refs.pop(2) if has_bias else None
-  tgt, invt, m_out, s_out, zt_out = refs[2:7]
-  return h, w, b, tgt, invt, m_out, s_out, zt_out, (refs[7] if return_logits else None)
+    """(h, w, bias | None, targets, inv_t, m_out, s_out, zt_out, logits_out | None) of a forward
+    kernel's refs: inputs (hidden, weight, [bias], targets, inv_t), then outputs (`out_type`)."""
+    refs = list(refs)
+    h, w = refs[:2]
+    b = refs.pop(2) if has_bias else None
+    tgt, invt, m_out, s_out, zt_out = refs[2:7]
+    return h, w, b, tgt, invt, m_out, s_out, zt_out, (refs[7] if return_logits else None)
 
 
 def out_type(n_local: int, n_pad: int, return_logits: bool, lg_rows: int | None, lg_cols: int):
-  """Outputs of a forward kernel: m, S, z_t captures [n_local, n_pad] f32, and the logits
-  [lg_rows (default n_pad), lg_cols] f32 for the serving entry."""
-  shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
-  if return_logits:
-    shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
-  return tuple(shapes)
+    """Outputs of a forward kernel: m, S, z_t captures [n_local, n_pad] f32, and the logits
+    [lg_rows (default n_pad), lg_cols] f32 for the serving entry."""
+    shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
+    if return_logits:
+        shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
+    return tuple(shapes)
 
 
 __all__ = [
-    "F32", "TILE", "TILE_K", "SWIZZLE", "ShardGeometry", "shard_geometry", "work_item", "split_tiles", "row_layout",
-    "col_layout", "layout_of", "cast", "load", "zero_acc", "chain_step", "unpack_refs", "out_type",
+    "F32",
+    "TILE",
+    "TILE_K",
+    "SWIZZLE",
+    "ShardGeometry",
+    "shard_geometry",
+    "work_item",
+    "split_tiles",
+    "row_layout",
+    "col_layout",
+    "layout_of",
+    "cast",
+    "load",
+    "zero_acc",
+    "chain_step",
+    "unpack_refs",
+    "out_type",
 ]

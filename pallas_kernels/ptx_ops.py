@@ -45,147 +45,149 @@ PTX = {"mul": "mul.rn.ftz.f32", "add": "add.rn.ftz.f32", "sub": "sub.rn.ftz.f32"
 
 
 def lift_ptx(instr: str):
-  """A per-register lowering of a binary f32 PTX instruction on FragmentedArrays."""
-  from jax.experimental.mosaic import gpu as mgpu  # Lazy: only needed at lowering time.
+    """A per-register lowering of a binary f32 PTX instruction on FragmentedArrays."""
+    from jax.experimental.mosaic import gpu as mgpu  # Lazy: only needed at lowering time.
 
-  return mgpu.FragmentedArray._lift_fast_instr(instr)
+    return mgpu.FragmentedArray._lift_fast_instr(instr)
 
 
 def lift_program(prog):
-  """Per-register application of a `ptx_programs.Program` (one asm per element)."""
-  from jaxlib.mlir import ir  # Lazy: lowering time only.
-  from jaxlib.mlir.dialects import llvm, vector
+    """Per-register application of a `ptx_programs.Program` (one asm per element)."""
+    from jaxlib.mlir import ir  # Lazy: lowering time only.
+    from jaxlib.mlir.dialects import llvm, vector
 
-  text, cons = prog.ptx(), prog.constraints()
+    text, cons = prog.ptx(), prog.constraints()
 
-  def per_reg(*regs):
-    f32 = ir.F32Type.get()
-    ty = regs[0].type
-    if ty == f32:
-      return llvm.inline_asm(f32, list(regs), text, cons)
-    assert isinstance(ty, ir.VectorType), ty
-    [n] = ir.VectorType(ty).shape
-    out = llvm.mlir_undef(ty)
-    for i in range(n):
-      pos = ir.DenseI64ArrayAttr.get([i])
-      elems = [vector.extract(r, dynamic_position=[], static_position=pos) for r in regs]
-      v = llvm.inline_asm(f32, elems, text, cons)
-      out = vector.insert(v, out, dynamic_position=[], static_position=pos)
-    return out
+    def per_reg(*regs):
+        f32 = ir.F32Type.get()
+        ty = regs[0].type
+        if ty == f32:
+            return llvm.inline_asm(f32, list(regs), text, cons)
+        assert isinstance(ty, ir.VectorType), ty
+        [n] = ir.VectorType(ty).shape
+        out = llvm.mlir_undef(ty)
+        for i in range(n):
+            pos = ir.DenseI64ArrayAttr.get([i])
+            elems = [vector.extract(r, dynamic_position=[], static_position=pos) for r in regs]
+            v = llvm.inline_asm(f32, elems, text, cons)
+            out = vector.insert(v, out, dynamic_position=[], static_position=pos)
+        return out
 
-  return per_reg
+    return per_reg
 
 
 def _is_python_scalar(x) -> bool:
-  return isinstance(x, (float, int))
+    return isinstance(x, (float, int))
 
 
 def _const_value(x):
-  """Returns a Python float if `x` is a concrete scalar constant, else None."""
-  if _is_python_scalar(x):
-    return float(x)
-  try:
-    if getattr(x, "shape", None) == () and not isinstance(x, jax.core.Tracer):
-      return float(x)
-  except Exception:  # pragma: no cover - defensive
+    """Returns a Python float if `x` is a concrete scalar constant, else None."""
+    if _is_python_scalar(x):
+        return float(x)
+    try:
+        if getattr(x, "shape", None) == () and not isinstance(x, jax.core.Tracer):
+            return float(x)
+    except Exception:  # pragma: no cover - defensive
+        return None
     return None
-  return None
 
 
 class PtxOps:
-  """mul/add/sub as inline PTX with explicit rounding and FTZ (GPU only).
+    """mul/add/sub as inline PTX with explicit rounding and FTZ (GPU only).
 
-  `layout_of(shape)` returns the `plgpu.Layout` of register arrays of that
-  shape in the calling kernel (e.g. WGMMA for [BM, 64] tiles, WGMMA row
-  vectors for [BM]). Array operands are layout-cast to it (splat arrays such
-  as `jnp.full_like` become register arrays of that layout); concrete scalar
-  constants are folded into the instruction as immediates-in-registers.
-  """
+    `layout_of(shape)` returns the `plgpu.Layout` of register arrays of that
+    shape in the calling kernel (e.g. WGMMA for [BM, 64] tiles, WGMMA row
+    vectors for [BM]). Array operands are layout-cast to it (splat arrays such
+    as `jnp.full_like` become register arrays of that layout); concrete scalar
+    constants are folded into the instruction as immediates-in-registers.
+    """
 
-  def __init__(self, layout_of: Callable[[tuple[int, ...]], object]):
-    self._layout_of = layout_of
+    def __init__(self, layout_of: Callable[[tuple[int, ...]], object]):
+        self._layout_of = layout_of
 
-  def _binary(self, name: str, a, b):
-    instr = PTX[name]
-    ca, cb = _const_value(a), _const_value(b)
-    if ca is not None and cb is not None:
-      raise ValueError("PtxOps needs at least one array operand")
-    shape = tuple(jnp.shape(b) if ca is not None else jnp.shape(a))
-    if ca is None and cb is None:
-      shape = tuple(jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
-    layout = self._layout_of(shape)
-    ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
+    def _binary(self, name: str, a, b):
+        instr = PTX[name]
+        ca, cb = _const_value(a), _const_value(b)
+        if ca is not None and cb is not None:
+            raise ValueError("PtxOps needs at least one array operand")
+        shape = tuple(jnp.shape(b) if ca is not None else jnp.shape(a))
+        if ca is None and cb is None:
+            shape = tuple(jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
+        layout = self._layout_of(shape)
+        ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
 
-    def as_arr(x):
-      x = jnp.asarray(x, F32)
-      if x.shape != shape:
-        x = jnp.broadcast_to(x, shape)
-      return plgpu.layout_cast(x, layout)
+        def as_arr(x):
+            x = jnp.asarray(x, F32)
+            if x.shape != shape:
+                x = jnp.broadcast_to(x, shape)
+            return plgpu.layout_cast(x, layout)
 
-    if ca is None and cb is None:
-      @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=ret)
-      def op2(ctx, x, y):
-        del ctx
-        return x._pointwise(lift_ptx(instr), y)
+        if ca is None and cb is None:
 
-      return op2(as_arr(a), as_arr(b))
-    if cb is not None:
-      @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
-      def op_rc(ctx, x):
-        del ctx
-        return x._pointwise(lift_ptx(instr), cb)
+            @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=ret)
+            def op2(ctx, x, y):
+                del ctx
+                return x._pointwise(lift_ptx(instr), y)
 
-      return op_rc(as_arr(a))
+            return op2(as_arr(a), as_arr(b))
+        if cb is not None:
 
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
-    def op_cr(ctx, y):
-      del ctx
-      return y._pointwise(lambda v, c: lift_ptx(instr)(c, v), ca)
+            @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
+            def op_rc(ctx, x):
+                del ctx
+                return x._pointwise(lift_ptx(instr), cb)
 
-    return op_cr(as_arr(b))
+            return op_rc(as_arr(a))
 
-  def mul(self, a, b):
-    return self._binary("mul", a, b)
+        @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
+        def op_cr(ctx, y):
+            del ctx
+            return y._pointwise(lambda v, c: lift_ptx(instr)(c, v), ca)
 
-  def add(self, a, b):
-    return self._binary("add", a, b)
+        return op_cr(as_arr(b))
 
-  def sub(self, a, b):
-    return self._binary("sub", a, b)
+    def mul(self, a, b):
+        return self._binary("mul", a, b)
 
-  def program(self, prog, *arrays):
-    """Applies a straight-line `ptx_programs.Program` elementwise to same-shape f32 arrays."""
-    shape = tuple(jnp.shape(arrays[0]))
-    layout = self._layout_of(shape)
-    ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
-    fn = lift_program(prog)
+    def add(self, a, b):
+        return self._binary("add", a, b)
 
-    @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=ret)
-    def run(ctx, first, *rest):
-      del ctx
-      return first._pointwise(fn, *rest)
+    def sub(self, a, b):
+        return self._binary("sub", a, b)
 
-    return run(*(plgpu.layout_cast(jnp.broadcast_to(jnp.asarray(a, F32), shape), layout) for a in arrays))
+    def program(self, prog, *arrays):
+        """Applies a straight-line `ptx_programs.Program` elementwise to same-shape f32 arrays."""
+        shape = tuple(jnp.shape(arrays[0]))
+        layout = self._layout_of(shape)
+        ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
+        fn = lift_program(prog)
 
-  def exp_diff(self, a, b):
-    """pexp(fl(a - b)) (contract exp of a rounded difference), one PTX block per lane."""
-    from pallas_kernels import ptx_programs
+        @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=ret)
+        def run(ctx, first, *rest):
+            del ctx
+            return first._pointwise(fn, *rest)
 
-    return self.program(ptx_programs.PEXP_DIFF, a, b)
+        return run(*(plgpu.layout_cast(jnp.broadcast_to(jnp.asarray(a, F32), shape), layout) for a in arrays))
+
+    def exp_diff(self, a, b):
+        """pexp(fl(a - b)) (contract exp of a rounded difference), one PTX block per lane."""
+        from pallas_kernels import ptx_programs
+
+        return self.program(ptx_programs.PEXP_DIFF, a, b)
 
 
 class InterpretOps(numerics.XlaOps):
-  """mul/add/sub for interpret mode: `numerics.XlaOps` (each result pinned behind
-  an opaque xor) plus the kernel's `exp_diff` entry point."""
+    """mul/add/sub for interpret mode: `numerics.XlaOps` (each result pinned behind
+    an opaque xor) plus the kernel's `exp_diff` entry point."""
 
-  def exp_diff(self, a, b):
-    """pexp(fl(a - b)) via numerics.pexp (the spec implementation)."""
-    return numerics.pexp(self.sub(a, b), self)
+    def exp_diff(self, a, b):
+        """pexp(fl(a - b)) via numerics.pexp (the spec implementation)."""
+        return numerics.pexp(self.sub(a, b), self)
 
 
 def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], source=None):
-  """The ops object for a kernel body: InterpretOps on CPU, PtxOps on GPU.
+    """The ops object for a kernel body: InterpretOps on CPU, PtxOps on GPU.
 
-  `source`: a runtime array of the kernel (interpret mode: seeds the opaque zero).
-  """
-  return InterpretOps(numerics.opaque_zero(source)) if interpret else PtxOps(layout_of)
+    `source`: a runtime array of the kernel (interpret mode: seeds the opaque zero).
+    """
+    return InterpretOps(numerics.opaque_zero(source)) if interpret else PtxOps(layout_of)

@@ -34,153 +34,187 @@ from pallas_kernels.common import F32, SWIZZLE, TILE, TILE_K
 ROWS_PER_CTA = tuning.DZ.rows_per_cta  # callers pad rows to a multiple of this (the registry's row_multiple)
 
 
-def build(*, n_pad: int, d: int, chunk: int, has_bias: bool, num_ctas: int, interpret: bool,
-          interpret_params=None, cfg: tuning.DzConfig = tuning.DZ):
-  """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, bounds) -> dz [n_pad, chunk] bf16."""
-  if not isinstance(cfg, tuning.DzConfig):
-    raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
-  bm, n_wg, cta_rows, block_n = cfg.block_m, cfg.num_compute_wgs, cfg.rows_per_cta, cfg.block_n
-  assert n_pad % cta_rows == 0 and chunk % block_n == 0 and d % TILE_K == 0
-  n_rb, n_cb = n_pad // cta_rows, chunk // block_n
-  k_iters = d // TILE_K
-  transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-  out_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  row_l = common.row_layout()
-  col_l = common.col_layout()
-  stages = min(cfg.max_concurrent_steps, k_iters)
+def build(
+    *,
+    n_pad: int,
+    d: int,
+    chunk: int,
+    has_bias: bool,
+    num_ctas: int,
+    interpret: bool,
+    interpret_params=None,
+    cfg: tuning.DzConfig = tuning.DZ,
+):
+    """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, bounds) -> dz [n_pad, chunk] bf16."""
+    if not isinstance(cfg, tuning.DzConfig):
+        raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
+    bm, n_wg, cta_rows, block_n = cfg.block_m, cfg.num_compute_wgs, cfg.rows_per_cta, cfg.block_n
+    assert n_pad % cta_rows == 0 and chunk % block_n == 0 and d % TILE_K == 0
+    n_rb, n_cb = n_pad // cta_rows, chunk // block_n
+    k_iters = d // TILE_K
+    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    out_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    row_l = common.row_layout()
+    col_l = common.col_layout()
+    stages = min(cfg.max_concurrent_steps, k_iters)
 
-  cast = functools.partial(interpret_utils.cast, interpret=interpret)
-  load = functools.partial(interpret_utils.load, interpret=interpret)
+    cast = functools.partial(interpret_utils.cast, interpret=interpret)
+    load = functools.partial(interpret_utils.load, interpret=interpret)
 
-  def kernel(*refs):
-    if has_bias:
-      h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem, bnd_gmem, dz_out = refs
-    else:
-      h_gmem, w_gmem, tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem, bnd_gmem, dz_out = refs
-      b_gmem = None
+    def kernel(*refs):
+        if has_bias:
+            h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem, bnd_gmem, dz_out = refs
+        else:
+            h_gmem, w_gmem, tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem, bnd_gmem, dz_out = refs
+            b_gmem = None
 
-    def get_pipeline(body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          body,
-          grid=(k_iters,),
-          memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms),
-              plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms),
-          ],
-          wg_axis="wg",
-          num_compute_wgs=n_wg,
-          max_concurrent_steps=stages,
-          compute_context=compute_context,
-      )
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms),
+                    plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=n_wg,
+                max_concurrent_steps=stages,
+                compute_context=compute_context,
+            )
 
-    ignore = lambda *_, **__: None
+        ignore = lambda *_, **__: None
 
-    @functools.partial(
-        pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, block_n), :]),
-        out_smem=plgpu.SMEM((n_wg, 2, bm, TILE), jnp.bfloat16, transforms=out_transforms),
-        collective_axes="wg",
-    )
-    def _scope(pipeline_allocs, out_smem):
-      wg = lax.axis_index("wg")
-      lo = bnd_gmem[0]
-      hi = bnd_gmem[1]
-
-      @plgpu.nd_loop((n_rb * n_cb,), collective_axes="cta")
-      def _work(info):
-        cb, rb = common.work_item(info.index[0], n_cb, n_rb, cfg.col_group)
-        row0 = rb * cta_rows
-        col0 = cb * block_n
-
-        def compute_context(eval_pipeline):
-          wrow = row0 + wg * bm
-          rows = pl.ds(wrow, bm)
-          tgt = load(tgt_gmem.at[rows], row_l)
-          invt = load(invt_gmem.at[rows], row_l)
-          lse = load(lse_gmem.at[rows], row_l)
-          c1 = load(c1_gmem.at[rows], row_l)
-          c2 = load(c2_gmem.at[rows], row_l)
-
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, block_n), F32))
-          def _acc_scope(acc_ref):
-            eval_pipeline(acc_ref)
-            z_all = acc_ref[...]
-            col_iota = cast(lax.broadcasted_iota(jnp.int32, (bm, TILE), 1), plgpu.Layout.WGMMA)
-            bc = lambda v: jnp.broadcast_to(v[:, None], (bm, TILE))
-            for i in range(block_n // TILE):
-              c = col0 + i * TILE
-              z = z_all[:, i * TILE : (i + 1) * TILE]
-              if has_bias:
-                b = load(b_gmem.at[pl.ds(c, TILE)], col_l)
-                z = z + jnp.broadcast_to(b[None, :], (bm, TILE))
-              col = col_iota + c
-              p = jnp.exp(z * bc(invt) - bc(lse))
-              dz = bc(c1) * p + jnp.where(col == bc(tgt), bc(c2), jnp.zeros((bm, TILE), F32))
-              dz = jnp.where((col >= lo) & (col < hi), dz, jnp.zeros((bm, TILE), F32))
-              slot = i % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              out_smem.at[wg, slot][...] = dz.astype(jnp.bfloat16)
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dz_out.at[rows, pl.ds(c, TILE)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        def mma_body(idxs, h_smem, w_smem, acc_ref):
-          plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
-          plgpu.wgmma_wait(0)
-          return acc_ref
-
-        get_pipeline(mma_body, compute_context)(
-            h_gmem.at[pl.ds(row0, cta_rows), :],
-            w_gmem.at[pl.ds(col0, block_n), :],
-            allocations=pipeline_allocs,
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+                h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, block_n), :]
+            ),
+            out_smem=plgpu.SMEM((n_wg, 2, bm, TILE), jnp.bfloat16, transforms=out_transforms),
+            collective_axes="wg",
         )
+        def _scope(pipeline_allocs, out_smem):
+            wg = lax.axis_index("wg")
+            lo = bnd_gmem[0]
+            hi = bnd_gmem[1]
 
-      plgpu.wait_smem_to_gmem(0)
+            @plgpu.nd_loop((n_rb * n_cb,), collective_axes="cta")
+            def _work(info):
+                cb, rb = common.work_item(info.index[0], n_cb, n_rb, cfg.col_group)
+                row0 = rb * cta_rows
+                col0 = cb * block_n
 
-  kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((n_pad, chunk), jnp.bfloat16),
-      grid=(num_ctas,),
-      grid_names=("cta",),
-      num_threads=n_wg + 1,
-      thread_name="wg",
-      **kw,
-  )
+                def compute_context(eval_pipeline):
+                    wrow = row0 + wg * bm
+                    rows = pl.ds(wrow, bm)
+                    tgt = load(tgt_gmem.at[rows], row_l)
+                    invt = load(invt_gmem.at[rows], row_l)
+                    lse = load(lse_gmem.at[rows], row_l)
+                    c1 = load(c1_gmem.at[rows], row_l)
+                    c2 = load(c2_gmem.at[rows], row_l)
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, block_n), F32))
+                    def _acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        z_all = acc_ref[...]
+                        col_iota = cast(lax.broadcasted_iota(jnp.int32, (bm, TILE), 1), plgpu.Layout.WGMMA)
+                        bc = lambda v: jnp.broadcast_to(v[:, None], (bm, TILE))
+                        for i in range(block_n // TILE):
+                            c = col0 + i * TILE
+                            z = z_all[:, i * TILE : (i + 1) * TILE]
+                            if has_bias:
+                                b = load(b_gmem.at[pl.ds(c, TILE)], col_l)
+                                z = z + jnp.broadcast_to(b[None, :], (bm, TILE))
+                            col = col_iota + c
+                            p = jnp.exp(z * bc(invt) - bc(lse))
+                            dz = bc(c1) * p + jnp.where(col == bc(tgt), bc(c2), jnp.zeros((bm, TILE), F32))
+                            dz = jnp.where((col >= lo) & (col < hi), dz, jnp.zeros((bm, TILE), F32))
+                            slot = i % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem.at[wg, slot][...] = dz.astype(jnp.bfloat16)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dz_out.at[rows, pl.ds(c, TILE)])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                def mma_body(idxs, h_smem, w_smem, acc_ref):
+                    plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                get_pipeline(mma_body, compute_context)(
+                    h_gmem.at[pl.ds(row0, cta_rows), :],
+                    w_gmem.at[pl.ds(col0, block_n), :],
+                    allocations=pipeline_allocs,
+                )
+
+            plgpu.wait_smem_to_gmem(0)
+
+    kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n_pad, chunk), jnp.bfloat16),
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=n_wg + 1,
+        thread_name="wg",
+        **kw,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("n_pad", "d", "chunk", "has_bias", "num_ctas", "interpret", "interpret_params"))
+@functools.partial(
+    jax.jit, static_argnames=("n_pad", "d", "chunk", "has_bias", "num_ctas", "interpret", "interpret_params")
+)
 def _dz_core(*args, **static):
-  return build(**static)(*args)
+    return build(**static)(*args)
 
 
 def chunk_supported(chunk: int) -> bool:
-  """True if this kernel can form dz for vocab chunks of this length (the operands: `wrapper.unsupported`)."""
-  return chunk % tuning.DZ.block_n == 0
+    """True if this kernel can form dz for vocab chunks of this length (the operands: `wrapper.unsupported`)."""
+    return chunk % tuning.DZ.block_n == 0
 
 
-def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, *, interpret: bool = False,
-             interpret_params=None, num_ctas: int | None = None):
-  """dz [n_pad, chunk] bf16 for one vocab chunk (see the module docstring).
+def dz_chunk(
+    hidden_p,
+    w_c,
+    bias_c,
+    targets_c,
+    inv_t,
+    lse,
+    c1,
+    c2,
+    lo,
+    hi,
+    *,
+    interpret: bool = False,
+    interpret_params=None,
+    num_ctas: int | None = None,
+):
+    """dz [n_pad, chunk] bf16 for one vocab chunk (see the module docstring).
 
-  hidden_p: [n_pad, D] bf16 with n_pad a multiple of `ROWS_PER_CTA`;
-  w_c: [chunk, D] bf16; bias_c: [chunk] f32 or None; targets_c: [n_pad] int32
-  target column relative to the chunk (anything outside [0, chunk) never
-  matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows;
-  `detlogp_jax.grad` pads lse with +inf there: p = 0 for any bias < +inf);
-  lo, hi: traced int32 column bounds (relative) of the columns that get a
-  gradient.
-  """
-  n_pad, d = hidden_p.shape
-  chunk = w_c.shape[0]
-  work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
-  if num_ctas is None:
-    num_ctas = 2 if interpret else tuning.default_num_sms()
-  num_ctas = max(1, min(int(num_ctas), work))
-  bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
-  args = [hidden_p, w_c] + ([bias_c.astype(F32)] if bias_c is not None else [])
-  args += [targets_c.astype(jnp.int32), inv_t.astype(F32), lse.astype(F32), c1.astype(F32), c2.astype(F32), bounds]
-  return _dz_core(*args, n_pad=n_pad, d=d, chunk=chunk, has_bias=bias_c is not None, num_ctas=num_ctas,
-                  interpret=interpret, interpret_params=interpret_params)
+    hidden_p: [n_pad, D] bf16 with n_pad a multiple of `ROWS_PER_CTA`;
+    w_c: [chunk, D] bf16; bias_c: [chunk] f32 or None; targets_c: [n_pad] int32
+    target column relative to the chunk (anything outside [0, chunk) never
+    matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows;
+    `detlogp_jax.grad` pads lse with +inf there: p = 0 for any bias < +inf);
+    lo, hi: traced int32 column bounds (relative) of the columns that get a
+    gradient.
+    """
+    n_pad, d = hidden_p.shape
+    chunk = w_c.shape[0]
+    work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
+    if num_ctas is None:
+        num_ctas = 2 if interpret else tuning.default_num_sms()
+    num_ctas = max(1, min(int(num_ctas), work))
+    bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
+    args = [hidden_p, w_c] + ([bias_c.astype(F32)] if bias_c is not None else [])
+    args += [targets_c.astype(jnp.int32), inv_t.astype(F32), lse.astype(F32), c1.astype(F32), c2.astype(F32), bounds]
+    return _dz_core(
+        *args,
+        n_pad=n_pad,
+        d=d,
+        chunk=chunk,
+        has_bias=bias_c is not None,
+        num_ctas=num_ctas,
+        interpret=interpret,
+        interpret_params=interpret_params,
+    )

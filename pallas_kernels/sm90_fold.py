@@ -89,402 +89,482 @@ SMEM_LIMIT = 200 * 1024  # staged=True keeps all partials of its rows in SMEM; a
 
 
 def row_block(cfg: tuning.FoldConfig = tuning.FOLD) -> int:
-  """Rows per CTA of a variant (n_pad must be a multiple of it)."""
-  return cfg.rows if cfg.staged else FOLD_ROWS
+    """Rows per CTA of a variant (n_pad must be a multiple of it)."""
+    return cfg.rows if cfg.staged else FOLD_ROWS
 
 
 def staged_fits(n_split: int, rows: int = tuning.FOLD.rows) -> bool:
-  """Whether staged=True can hold n_split splits of `rows` rows in SMEM."""
-  g = 128 // rows
-  k = -(-n_split // g)
-  return 2 * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
+    """Whether staged=True can hold n_split splits of `rows` rows in SMEM."""
+    g = 128 // rows
+    k = -(-n_split // g)
+    return 2 * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
 
 
-def build(*, n_split: int, n_pad: int, vocab_size: int, interpret: bool, interpret_params=None,
-          cfg: tuning.FoldConfig = tuning.FOLD):
-  """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
+def build(
+    *,
+    n_split: int,
+    n_pad: int,
+    vocab_size: int,
+    interpret: bool,
+    interpret_params=None,
+    cfg: tuning.FoldConfig = tuning.FOLD,
+):
+    """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
 
-  `cfg` (no field changes a bit): `staged` picks the layout (module
-  docstring); `unroll` = splits per loop trip (staged: of the chain, default
-  CHAIN_UNROLL; not staged: of both passes, default UNROLL); `rows` = rows
-  per CTA and `chunk` = splits per TMA copy (staged only). n_pad must be a
-  multiple of `row_block(cfg)`.
-  """
-  if not isinstance(cfg, tuning.FoldConfig):
-    raise TypeError(f"sm90_fold needs a tuning.FoldConfig, got {type(cfg).__name__}")
-  unroll = cfg.unroll
-  if unroll is None:
-    unroll = CHAIN_UNROLL if cfg.staged else UNROLL
-  kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
-  if cfg.staged:
-    return _build_staged(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll,
-                         rows=cfg.rows, chunk=cfg.chunk, kw=kw)
-  return _build_rowloop(n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll, kw=kw)
+    `cfg` (no field changes a bit): `staged` picks the layout (module
+    docstring); `unroll` = splits per loop trip (staged: of the chain, default
+    CHAIN_UNROLL; not staged: of both passes, default UNROLL); `rows` = rows
+    per CTA and `chunk` = splits per TMA copy (staged only). n_pad must be a
+    multiple of `row_block(cfg)`.
+    """
+    if not isinstance(cfg, tuning.FoldConfig):
+        raise TypeError(f"sm90_fold needs a tuning.FoldConfig, got {type(cfg).__name__}")
+    unroll = cfg.unroll
+    if unroll is None:
+        unroll = CHAIN_UNROLL if cfg.staged else UNROLL
+    kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
+    if cfg.staged:
+        return _build_staged(
+            n_split=n_split,
+            n_pad=n_pad,
+            vocab_size=vocab_size,
+            interpret=interpret,
+            unroll=unroll,
+            rows=cfg.rows,
+            chunk=cfg.chunk,
+            kw=kw,
+        )
+    return _build_rowloop(
+        n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll, kw=kw
+    )
 
 
 def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size):
-  """lse, logp of a row from its S, M and target inputs (the spec's last lines)."""
-  lse = ops.add(big_m, tile_math.plog(acc, ops))
-  y_t = ops.mul(zt, invt)
-  d = ops.sub(y_t, lse)
-  logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
-  logp = jnp.where(tgt == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
-  bad = ((tgt < 0) & (tgt != C.IGNORE_INDEX)) | (tgt >= vocab_size)
-  logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
-  return logp, lse
+    """lse, logp of a row from its S, M and target inputs (the spec's last lines)."""
+    lse = ops.add(big_m, tile_math.plog(acc, ops))
+    y_t = ops.mul(zt, invt)
+    d = ops.sub(y_t, lse)
+    logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
+    logp = jnp.where(tgt == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
+    bad = ((tgt < 0) & (tgt != C.IGNORE_INDEX)) | (tgt >= vocab_size)
+    logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
+    return logp, lse
 
 
 def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw):
-  br = rows  # (rows and chunk are checked by tuning.FoldConfig)
-  g_n = 128 // br  # split groups per row
-  assert n_pad % br == 0, (n_pad, br)
-  # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
-  # barriers per array: raise chunk to the smallest that needs <= 32.
-  chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
-  if not staged_fits(n_split, br):
-    raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
-  n_steps = -(-n_split // g_n)  # G splits per step
-  smem_rows = n_steps * g_n + g_n  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
-  n_chunks = -(-n_split // chunk)
-  n_full = n_split // chunk  # chunks of exactly `chunk` splits; then one partial chunk if any
-  shape = (g_n, br)
-  layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
-  blk = _InterpretBlocks(g_n) if interpret else _SmemBlocks(layout, shape)
+    br = rows  # (rows and chunk are checked by tuning.FoldConfig)
+    g_n = 128 // br  # split groups per row
+    assert n_pad % br == 0, (n_pad, br)
+    # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
+    # barriers per array: raise chunk to the smallest that needs <= 32.
+    chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
+    if not staged_fits(n_split, br):
+        raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
+    n_steps = -(-n_split // g_n)  # G splits per step
+    smem_rows = n_steps * g_n + g_n  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
+    n_chunks = -(-n_split // chunk)
+    n_full = n_split // chunk  # chunks of exactly `chunk` splits; then one partial chunk if any
+    shape = (g_n, br)
+    layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
+    blk = _InterpretBlocks(g_n) if interpret else _SmemBlocks(layout, shape)
 
-  load, cast = interpret_utils.load_and_cast(layout, interpret)
+    load, cast = interpret_utils.load_and_cast(layout, interpret)
 
-  def sync():
-    # Every thread's SMEM stores visible to every thread of the warpgroup.
-    # (The kernel runs with unsafe_no_auto_barriers, so that SMEM stores do
-    # not each cost two warpgroup barriers.)
-    plgpu.commit_smem()
+    def sync():
+        # Every thread's SMEM stores visible to every thread of the warpgroup.
+        # (The kernel runs with unsafe_no_auto_barriers, so that SMEM stores do
+        # not each cost two warpgroup barriers.)
+        plgpu.commit_smem()
 
-  def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref,
-             m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in):
-    r0 = lax.axis_index("rows") * br
-    cols = pl.ds(r0, br)
+    def kernel(
+        m_ref,
+        s_ref,
+        zt_ref,
+        tgt_ref,
+        invt_ref,
+        logp_ref,
+        lse_ref,
+        m_s,
+        s_s,
+        x2,
+        z_in,
+        t_in,
+        i_in,
+        o_l,
+        o_s,
+        bar_m,
+        bar_s,
+        bar_in,
+    ):
+        r0 = lax.axis_index("rows") * br
+        cols = pl.ds(r0, br)
 
-    def chunk_splits(c):
-      return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
+        def chunk_splits(c):
+            return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
 
-    # All copies are issued up front: row inputs (tiny), all of m, all of s.
-    for src, dst in ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in)):
-      plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
-    for c in range(n_chunks):
-      plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
-    for c in range(n_chunks):
-      plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
+        # All copies are issued up front: row inputs (tiny), all of m, all of s.
+        for src, dst in ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in)):
+            plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
+        for c in range(n_chunks):
+            plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
+        for c in range(n_chunks):
+            plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
 
-    def over_chunks(bars, full_steps, last_step, carry):
-      """Steps of G splits in ascending order, chunk by chunk (each after its
-      copy landed): full_steps(j0, count, carry) runs `count` full steps from
-      split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
-      def chunk_body(c, carry):
-        plgpu.barrier_wait(bars.at[c])
-        return full_steps(c * chunk, chunk // g_n, carry)
+        def over_chunks(bars, full_steps, last_step, carry):
+            """Steps of G splits in ascending order, chunk by chunk (each after its
+            copy landed): full_steps(j0, count, carry) runs `count` full steps from
+            split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
 
-      if n_full:
-        carry = lax.fori_loop(0, n_full, chunk_body, carry)
-      if n_chunks > n_full:
-        plgpu.barrier_wait(bars.at[n_full])
-        j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
-        if count:
-          carry = full_steps(j0, count, carry)
-        if n_split % g_n:
-          carry = last_step(j0 + count * g_n, n_split % g_n, carry)
-      return carry
+            def chunk_body(c, carry):
+                plgpu.barrier_wait(bars.at[c])
+                return full_steps(c * chunk, chunk // g_n, carry)
 
-    # Pass 1: per group, the exact max over its splits (from -inf, which
-    # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
-    def max_last(j0, n_valid, pm):
-      group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
-      x = jnp.where(group < n_valid, load(m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
-      return jnp.maximum(pm, x)
+            if n_full:
+                carry = lax.fori_loop(0, n_full, chunk_body, carry)
+            if n_chunks > n_full:
+                plgpu.barrier_wait(bars.at[n_full])
+                j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
+                if count:
+                    carry = full_steps(j0, count, carry)
+                if n_split % g_n:
+                    carry = last_step(j0 + count * g_n, n_split % g_n, carry)
+            return carry
 
-    pm = over_chunks(bar_m, lambda j0, k, pm: blk.max(m_s.at[pl.ds(j0, k * g_n)], k, pm), max_last,
-                     cast(jnp.full(shape, -jnp.inf, F32)))
-    # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
-    # (g, r), the partial max of group (g + d) mod G of row r.
-    x2.at[pl.ds(0, g_n)][...] = pm
-    x2.at[pl.ds(g_n, g_n)][...] = pm
-    sync()
-    big_m = pm
-    for d in range(1, g_n):
-      big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
+        # Pass 1: per group, the exact max over its splits (from -inf, which
+        # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
+        def max_last(j0, n_valid, pm):
+            group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
+            x = jnp.where(group < n_valid, load(m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
+            return jnp.maximum(pm, x)
 
-    plgpu.barrier_wait(bar_in)
-    invt = load(i_in)
-    ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
+        pm = over_chunks(
+            bar_m,
+            lambda j0, k, pm: blk.max(m_s.at[pl.ds(j0, k * g_n)], k, pm),
+            max_last,
+            cast(jnp.full(shape, -jnp.inf, F32)),
+        )
+        # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
+        # (g, r), the partial max of group (g + d) mod G of row r.
+        x2.at[pl.ds(0, g_n)][...] = pm
+        x2.at[pl.ds(g_n, g_n)][...] = pm
+        sync()
+        big_m = pm
+        for d in range(1, g_n):
+            big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
 
-    # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
-    # rewrites only what it read). A partial last step computes garbage in
-    # the missing groups, into SMEM rows past n_split that no chain of a
-    # g = 0 thread reads.
-    def terms(j0, count, carry):
-      sl = pl.ds(j0, count * g_n)
-      blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
-      return carry
+        plgpu.barrier_wait(bar_in)
+        invt = load(i_in)
+        ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
 
-    over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
-    sync()
+        # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
+        # rewrites only what it read). A partial last step computes garbage in
+        # the missing groups, into SMEM rows past n_split that no chain of a
+        # g = 0 thread reads.
+        def terms(j0, count, carry):
+            sl = pl.ds(j0, count * g_n)
+            blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
+            return carry
 
-    # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
-    def add_splits(j0, count, acc):
-      return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
+        over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
+        sync()
 
-    n_trips = n_split // unroll
-    acc = cast(jnp.zeros(shape, F32))
-    if n_trips:
-      acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
-    if n_split - n_trips * unroll:
-      acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
+        # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
+        def add_splits(j0, count, acc):
+            return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
 
-    logp, lse = _epilogue(acc, big_m, load(z_in), load(t_in), invt, ops, vocab_size)
-    o_l[...] = logp
-    o_s[...] = lse
-    sync()
-    plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
-    plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
-    plgpu.wait_smem_to_gmem(0)
+        n_trips = n_split // unroll
+        acc = cast(jnp.zeros(shape, F32))
+        if n_trips:
+            acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
+        if n_split - n_trips * unroll:
+            acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
 
-  scratch = (
-      plgpu.SMEM((smem_rows, br), F32),  # m
-      plgpu.SMEM((smem_rows, br), F32),  # s, then the terms
-      plgpu.SMEM((2 * g_n, br), F32),  # partial max exchange
-      plgpu.SMEM(shape, F32),  # z_t (row 0)
-      plgpu.SMEM(shape, jnp.int32),  # targets (row 0)
-      plgpu.SMEM(shape, F32),  # inv_t (row 0)
-      plgpu.SMEM(shape, F32),  # logp out (row 0 is stored)
-      plgpu.SMEM(shape, F32),  # lse out
-      plgpu.Barrier(num_barriers=n_chunks),
-      plgpu.Barrier(num_barriers=n_chunks),
-      plgpu.Barrier(num_arrivals=3),
-  )
-  return plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
-      scratch_types=scratch,
-      grid=(n_pad // br,),
-      grid_names=("rows",),
-      compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
-      **kw,
-  )
+        logp, lse = _epilogue(acc, big_m, load(z_in), load(t_in), invt, ops, vocab_size)
+        o_l[...] = logp
+        o_s[...] = lse
+        sync()
+        plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
+        plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = (
+        plgpu.SMEM((smem_rows, br), F32),  # m
+        plgpu.SMEM((smem_rows, br), F32),  # s, then the terms
+        plgpu.SMEM((2 * g_n, br), F32),  # partial max exchange
+        plgpu.SMEM(shape, F32),  # z_t (row 0)
+        plgpu.SMEM(shape, jnp.int32),  # targets (row 0)
+        plgpu.SMEM(shape, F32),  # inv_t (row 0)
+        plgpu.SMEM(shape, F32),  # logp out (row 0 is stored)
+        plgpu.SMEM(shape, F32),  # lse out
+        plgpu.Barrier(num_barriers=n_chunks),
+        plgpu.Barrier(num_barriers=n_chunks),
+        plgpu.Barrier(num_arrivals=3),
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
+        scratch_types=scratch,
+        grid=(n_pad // br,),
+        grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
+        **kw,
+    )
 
 
 class _InterpretBlocks:
-  """The staged fold's inner steps as Pallas ops (interpret mode). Each
-  method takes an SMEM view whose rows u*G .. u*G+G-1 (max, terms) or
-  u .. u+G-1 (chain) are step u, as a [G, rows] array (thread (g, r) <-> row
-  g, column r of the block)."""
+    """The staged fold's inner steps as Pallas ops (interpret mode). Each
+    method takes an SMEM view whose rows u*G .. u*G+G-1 (max, terms) or
+    u .. u+G-1 (chain) are step u, as a [G, rows] array (thread (g, r) <-> row
+    g, column r of the block)."""
 
-  def __init__(self, g_n):
-    self.g_n = g_n
+    def __init__(self, g_n):
+        self.g_n = g_n
 
-  def _rows(self, ref, first):
-    return ref.at[pl.ds(first, self.g_n)][...]
+    def _rows(self, ref, first):
+        return ref.at[pl.ds(first, self.g_n)][...]
 
-  def max(self, ref, count, pm):
-    for u in range(count):
-      pm = jnp.maximum(pm, self._rows(ref, u * self.g_n))
-    return pm
+    def max(self, ref, count, pm):
+        for u in range(count):
+            pm = jnp.maximum(pm, self._rows(ref, u * self.g_n))
+        return pm
 
-  def terms(self, m_ref, s_ref, count, big_m, ops):
-    for u in range(count):
-      m_j, s_j = self._rows(m_ref, u * self.g_n), self._rows(s_ref, u * self.g_n)
-      w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
-      s_ref.at[pl.ds(u * self.g_n, self.g_n)][...] = ops.mul(s_j, w)
+    def terms(self, m_ref, s_ref, count, big_m, ops):
+        for u in range(count):
+            m_j, s_j = self._rows(m_ref, u * self.g_n), self._rows(s_ref, u * self.g_n)
+            w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
+            s_ref.at[pl.ds(u * self.g_n, self.g_n)][...] = ops.mul(s_j, w)
 
-  def chain(self, ref, count, acc, ops):
-    for u in range(count):
-      acc = ops.add(acc, self._rows(ref, u))
-    return acc
+    def chain(self, ref, count, acc, ops):
+        for u in range(count):
+            acc = ops.add(acc, self._rows(ref, u))
+        return acc
 
 
 class _SmemBlocks:
-  """The same steps on the GPU, each block as ONE `inline_mgpu` op on the
-  SMEM view, with exactly the instructions the Pallas ops lower to: strided
-  loads / stores (thread t <-> element t of the [G, rows] block), max.NaN.f32
-  (jnp.maximum), the PEXP_DIFF PTX block (PtxOps.exp_diff), an oeq compare
-  and select (jnp.where), mul.rn.ftz.f32 / add.rn.ftz.f32 (PtxOps.mul / add),
-  in the same order per element. (Per-step Pallas ops made Mosaic's layout
-  inference, which grows faster than linearly with the op count, take ~10 s
-  to ~80 s per compile; these blocks keep it at a few seconds.)"""
+    """The same steps on the GPU, each block as ONE `inline_mgpu` op on the
+    SMEM view, with exactly the instructions the Pallas ops lower to: strided
+    loads / stores (thread t <-> element t of the [G, rows] block), max.NaN.f32
+    (jnp.maximum), the PEXP_DIFF PTX block (PtxOps.exp_diff), an oeq compare
+    and select (jnp.where), mul.rn.ftz.f32 / add.rn.ftz.f32 (PtxOps.mul / add),
+    in the same order per element. (Per-step Pallas ops made Mosaic's layout
+    inference, which grows faster than linearly with the op count, take ~10 s
+    to ~80 s per compile; these blocks keep it at a few seconds.)"""
 
-  def __init__(self, layout, shape):
-    self.layout, self.shape = layout, shape
-    self.g_n = shape[0]
-    self.ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
+    def __init__(self, layout, shape):
+        self.layout, self.shape = layout, shape
+        self.g_n = shape[0]
+        self.ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
 
-  @staticmethod
-  def _mgpu():
-    from jax.experimental.mosaic import gpu as mgpu  # Lazy: lowering time only.
+    @staticmethod
+    def _mgpu():
+        from jax.experimental.mosaic import gpu as mgpu  # Lazy: lowering time only.
 
-    return mgpu
+        return mgpu
 
-  def _load(self, ref, first):
-    mgpu = self._mgpu()
-    return mgpu.FragmentedArray.load_strided(mgpu.utils.memref_slice(ref, slice(first, first + self.g_n)), vec_size=1)
+    def _load(self, ref, first):
+        mgpu = self._mgpu()
+        return mgpu.FragmentedArray.load_strided(
+            mgpu.utils.memref_slice(ref, slice(first, first + self.g_n)), vec_size=1
+        )
 
-  def max(self, ref, count, pm):
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
-    def run(ctx, ref, pm):
-      del ctx
-      for u in range(count):
-        pm = pm.max(self._load(ref, u * self.g_n))
-      return pm
+    def max(self, ref, count, pm):
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
+        def run(ctx, ref, pm):
+            del ctx
+            for u in range(count):
+                pm = pm.max(self._load(ref, u * self.g_n))
+            return pm
 
-    return run(ref, plgpu.layout_cast(pm, self.layout))
+        return run(ref, plgpu.layout_cast(pm, self.layout))
 
-  def terms(self, m_ref, s_ref, count, big_m, ops):
-    del ops
-    from jaxlib.mlir import ir  # Lazy: lowering time only.
-    from pallas_kernels import ptx_programs
+    def terms(self, m_ref, s_ref, count, big_m, ops):
+        del ops
+        from jaxlib.mlir import ir  # Lazy: lowering time only.
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), self.layout))
-    def run(ctx, m_ref, s_ref, big_m):
-      del ctx
-      mgpu = self._mgpu()
-      exp_diff = ptx_ops.lift_program(ptx_programs.PEXP_DIFF)
-      mul = ptx_ops.lift_ptx(ptx_ops.PTX["mul"])
-      one = mgpu.FragmentedArray.splat(mgpu.c(1.0, ir.F32Type.get()), self.shape, layout=big_m.layout)
-      ms = [self._load(m_ref, u * self.g_n) for u in range(count)]
-      ss = [self._load(s_ref, u * self.g_n) for u in range(count)]
-      for u, (m_j, s_j) in enumerate(zip(ms, ss)):
-        w = (m_j == big_m).select(one, m_j._pointwise(exp_diff, big_m))
-        term = s_j._pointwise(mul, w)
-        term.store_untiled(mgpu.utils.memref_slice(s_ref, slice(u * self.g_n, (u + 1) * self.g_n)))
+        from pallas_kernels import ptx_programs
 
-    run(m_ref, s_ref, plgpu.layout_cast(big_m, self.layout))
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), self.layout))
+        def run(ctx, m_ref, s_ref, big_m):
+            del ctx
+            mgpu = self._mgpu()
+            exp_diff = ptx_ops.lift_program(ptx_programs.PEXP_DIFF)
+            mul = ptx_ops.lift_ptx(ptx_ops.PTX["mul"])
+            one = mgpu.FragmentedArray.splat(mgpu.c(1.0, ir.F32Type.get()), self.shape, layout=big_m.layout)
+            ms = [self._load(m_ref, u * self.g_n) for u in range(count)]
+            ss = [self._load(s_ref, u * self.g_n) for u in range(count)]
+            for u, (m_j, s_j) in enumerate(zip(ms, ss)):
+                w = (m_j == big_m).select(one, m_j._pointwise(exp_diff, big_m))
+                term = s_j._pointwise(mul, w)
+                term.store_untiled(mgpu.utils.memref_slice(s_ref, slice(u * self.g_n, (u + 1) * self.g_n)))
 
-  def chain(self, ref, count, acc, ops):
-    del ops
+        run(m_ref, s_ref, plgpu.layout_cast(big_m, self.layout))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
-    def run(ctx, ref, acc):
-      del ctx
-      add = ptx_ops.lift_ptx(ptx_ops.PTX["add"])
-      for u in range(count):
-        acc = acc._pointwise(add, self._load(ref, u))
-      return acc
+    def chain(self, ref, count, acc, ops):
+        del ops
 
-    return run(ref, plgpu.layout_cast(acc, self.layout))
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.layout), return_type=self.ret)
+        def run(ctx, ref, acc):
+            del ctx
+            add = ptx_ops.lift_ptx(ptx_ops.PTX["add"])
+            for u in range(count):
+                acc = acc._pointwise(add, self._load(ref, u))
+            return acc
+
+        return run(ref, plgpu.layout_cast(acc, self.layout))
 
 
 def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
-  br = FOLD_ROWS
-  assert n_pad % br == 0
-  layout = plgpu.Layout.WG_STRIDED((br,), vec_size=1)
+    br = FOLD_ROWS
+    assert n_pad % br == 0
+    layout = plgpu.Layout.WG_STRIDED((br,), vec_size=1)
 
-  load, cast = interpret_utils.load_and_cast(layout, interpret)
+    load, cast = interpret_utils.load_and_cast(layout, interpret)
 
-  def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref):
-    r0 = lax.axis_index("rows") * br
-    rows = pl.ds(r0, br)
-    ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=load(invt_ref.at[rows]))
+    def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref):
+        r0 = lax.axis_index("rows") * br
+        rows = pl.ds(r0, br)
+        ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=load(invt_ref.at[rows]))
 
-    # Both passes walk the splits in ascending order. They are unrolled by
-    # `unroll` splits per loop trip: the loads and exps of a trip are
-    # independent of the running value, so their latency overlaps; the
-    # running max / sum still consumes splits strictly one after another.
-    def blocks(first, body, init):
-      n_full = (n_split - first) // unroll
-      val = lax.fori_loop(0, n_full, lambda i, v: body(first + i * unroll, unroll, v), init)
-      rest = (n_split - first) - n_full * unroll
-      return body(first + n_full * unroll, rest, val) if rest else val
+        # Both passes walk the splits in ascending order. They are unrolled by
+        # `unroll` splits per loop trip: the loads and exps of a trip are
+        # independent of the running value, so their latency overlaps; the
+        # running max / sum still consumes splits strictly one after another.
+        def blocks(first, body, init):
+            n_full = (n_split - first) // unroll
+            val = lax.fori_loop(0, n_full, lambda i, v: body(first + i * unroll, unroll, v), init)
+            rest = (n_split - first) - n_full * unroll
+            return body(first + n_full * unroll, rest, val) if rest else val
 
-    def max_body(j0, count, big_m):
-      ms = [load(m_ref.at[j0 + u, rows]) for u in range(count)]
-      for m_j in ms:
-        big_m = jnp.maximum(big_m, m_j)
-      return big_m
+        def max_body(j0, count, big_m):
+            ms = [load(m_ref.at[j0 + u, rows]) for u in range(count)]
+            for m_j in ms:
+                big_m = jnp.maximum(big_m, m_j)
+            return big_m
 
-    big_m = blocks(1, max_body, load(m_ref.at[0, rows]))
+        big_m = blocks(1, max_body, load(m_ref.at[0, rows]))
 
-    def sum_body(j0, count, acc):
-      terms = []
-      for u in range(count):
-        m_j = load(m_ref.at[j0 + u, rows])
-        s_j = load(s_ref.at[j0 + u, rows])
-        w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
-        terms.append(ops.mul(s_j, w))
-      for term in terms:
-        acc = ops.add(acc, term)
-      return acc
+        def sum_body(j0, count, acc):
+            terms = []
+            for u in range(count):
+                m_j = load(m_ref.at[j0 + u, rows])
+                s_j = load(s_ref.at[j0 + u, rows])
+                w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
+                terms.append(ops.mul(s_j, w))
+            for term in terms:
+                acc = ops.add(acc, term)
+            return acc
 
-    acc = blocks(0, sum_body, cast(jnp.zeros((br,), F32)))
-    logp, lse = _epilogue(acc, big_m, load(zt_ref.at[rows]), load(tgt_ref.at[rows]), load(invt_ref.at[rows]), ops,
-                          vocab_size)
-    logp_ref.at[rows][...] = logp
-    lse_ref.at[rows][...] = lse
+        acc = blocks(0, sum_body, cast(jnp.zeros((br,), F32)))
+        logp, lse = _epilogue(
+            acc, big_m, load(zt_ref.at[rows]), load(tgt_ref.at[rows]), load(invt_ref.at[rows]), ops, vocab_size
+        )
+        logp_ref.at[rows][...] = logp
+        lse_ref.at[rows][...] = lse
 
-  return plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
-      grid=(n_pad // br,),
-      grid_names=("rows",),
-      compiler_params=plgpu.CompilerParams(approx_math=False),
-      **kw,
-  )
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
+        grid=(n_pad // br,),
+        grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **kw,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "cfg"))
 def _fold_core(*args, **static):
-  """The fold launch, jitted on the padded row count (shared across N)."""
-  return build(**static)(*args)
+    """The fold launch, jitted on the padded row count (shared across N)."""
+    return build(**static)(*args)
 
 
 def config(cfg: tuning.FoldConfig | None = None, **knobs) -> tuning.FoldConfig:
-  """`cfg` (default `tuning.FOLD`) with the given fields replaced (bit-neutral; checked by FoldConfig)."""
-  cfg = tuning.FOLD if cfg is None else cfg
-  if not isinstance(cfg, tuning.FoldConfig):
-    raise TypeError(f"cfg must be a tuning.FoldConfig, got {type(cfg).__name__}")
-  unknown = set(knobs) - {f.name for f in dataclasses.fields(tuning.FoldConfig)}
-  if unknown:
-    raise TypeError(f"unknown fold knobs {sorted(unknown)}")
-  return dataclasses.replace(cfg, **knobs) if knobs else cfg
+    """`cfg` (default `tuning.FOLD`) with the given fields replaced (bit-neutral; checked by FoldConfig)."""
+    cfg = tuning.FOLD if cfg is None else cfg
+    if not isinstance(cfg, tuning.FoldConfig):
+        raise TypeError(f"cfg must be a tuning.FoldConfig, got {type(cfg).__name__}")
+    unknown = set(knobs) - {f.name for f in dataclasses.fields(tuning.FoldConfig)}
+    if unknown:
+        raise TypeError(f"unknown fold knobs {sorted(unknown)}")
+    return dataclasses.replace(cfg, **knobs) if knobs else cfg
 
 
-def fold_transposed(mT, sT, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None,
-                    cfg: tuning.FoldConfig | None = None, **knobs):
-  """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]).
+def fold_transposed(
+    mT,
+    sT,
+    z_t,
+    targets,
+    inv_t,
+    vocab_size: int,
+    *,
+    interpret: bool = False,
+    interpret_params=None,
+    cfg: tuning.FoldConfig | None = None,
+    **knobs,
+):
+    """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]).
 
-  `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
-  of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
-  back to False where it cannot fit).
-  """
-  cfg = config(cfg, **knobs)
-  n_split, n = mT.shape
-  if cfg.staged and not staged_fits(n_split, cfg.rows):
-    cfg = dataclasses.replace(cfg, staged=False)
-  br = row_block(cfg)
-  n_pad = -(-max(n, 1) // br) * br
-  pad = n_pad - n
+    `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
+    of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
+    back to False where it cannot fit).
+    """
+    cfg = config(cfg, **knobs)
+    n_split, n = mT.shape
+    if cfg.staged and not staged_fits(n_split, cfg.rows):
+        cfg = dataclasses.replace(cfg, staged=False)
+    br = row_block(cfg)
+    n_pad = -(-max(n, 1) // br) * br
+    pad = n_pad - n
 
-  def p(x, val):
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=val) if pad else x
+    def p(x, val):
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=val) if pad else x
 
-  logp, lse = _fold_core(
-      p(mT.astype(F32), -jnp.inf),
-      p(sT.astype(F32), 0.0),
-      p(z_t.astype(F32), 0.0),
-      p(targets.astype(jnp.int32), C.IGNORE_INDEX),
-      p(inv_t.astype(F32), 1.0),
-      n_split=n_split, n_pad=n_pad, vocab_size=int(vocab_size), interpret=interpret, interpret_params=interpret_params,
-      cfg=cfg,
-  )
-  return logp[:n], lse[:n]
+    logp, lse = _fold_core(
+        p(mT.astype(F32), -jnp.inf),
+        p(sT.astype(F32), 0.0),
+        p(z_t.astype(F32), 0.0),
+        p(targets.astype(jnp.int32), C.IGNORE_INDEX),
+        p(inv_t.astype(F32), 1.0),
+        n_split=n_split,
+        n_pad=n_pad,
+        vocab_size=int(vocab_size),
+        interpret=interpret,
+        interpret_params=interpret_params,
+        cfg=cfg,
+    )
+    return logp[:n], lse[:n]
 
 
-def fold(m, s, z_t, targets, inv_t, vocab_size: int, *, interpret: bool = False, interpret_params=None,
-         cfg: tuning.FoldConfig | None = None, **knobs):
-  """Merges split partials m, s [N, n_split] in ascending split order -> (logp [N], lse [N]).
+def fold(
+    m,
+    s,
+    z_t,
+    targets,
+    inv_t,
+    vocab_size: int,
+    *,
+    interpret: bool = False,
+    interpret_params=None,
+    cfg: tuning.FoldConfig | None = None,
+    **knobs,
+):
+    """Merges split partials m, s [N, n_split] in ascending split order -> (logp [N], lse [N]).
 
-  Same contract as `detlogp_jax.oracle.fold`. `z_t` is the raw (unscaled,
-  post-bias) target logit; `inv_t` = fl(1/T) per row. `cfg` / `knobs`: see
-  `fold_transposed` (bit-neutral).
-  """
-  m = jnp.asarray(m, F32)
-  if m.ndim != 2:
-    raise ValueError(f"m must be [N, n_split], got {m.shape}")
-  return fold_transposed(m.T, jnp.asarray(s, F32).T, jnp.asarray(z_t), jnp.asarray(targets), jnp.asarray(inv_t), vocab_size,
-                         interpret=interpret, interpret_params=interpret_params, cfg=cfg, **knobs)
+    Same contract as `detlogp_jax.oracle.fold`. `z_t` is the raw (unscaled,
+    post-bias) target logit; `inv_t` = fl(1/T) per row. `cfg` / `knobs`: see
+    `fold_transposed` (bit-neutral).
+    """
+    m = jnp.asarray(m, F32)
+    if m.ndim != 2:
+        raise ValueError(f"m must be [N, n_split], got {m.shape}")
+    return fold_transposed(
+        m.T,
+        jnp.asarray(s, F32).T,
+        jnp.asarray(z_t),
+        jnp.asarray(targets),
+        jnp.asarray(inv_t),
+        vocab_size,
+        interpret=interpret,
+        interpret_params=interpret_params,
+        cfg=cfg,
+        **knobs,
+    )

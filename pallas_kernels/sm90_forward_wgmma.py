@@ -67,178 +67,196 @@ def build(
     interpret_params=None,
     lg_rows: int | None = None,
 ):
-  """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
-  if not isinstance(cfg, tuning.WgmmaForwardConfig):
-    raise TypeError(f"sm90_forward_wgmma needs a tuning.WgmmaForwardConfig, got {type(cfg).__name__}")
-  bm = cfg.block_m
-  n_wg = cfg.num_compute_wgs
-  cta_rows = cfg.cta_rows
-  assert n_pad % cta_rows == 0
-  n_rb = n_pad // cta_rows
-  if d % TILE_K:
-    raise ValueError(f"hidden size D={d} must be a multiple of {TILE_K}")
-  k_iters = d // TILE_K
-  w = geom.tiles_per_group
-  gcols = geom.group_cols
-  n_groups = geom.n_groups
-  c0 = geom.col_offset
-  vocab = geom.vocab_size
-  j0 = geom.split_first
-  n_local = geom.n_local
-  transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-  row_l, col_l = common.row_layout(), common.col_layout()
-  extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
-  # pipeline_stages gives at least 2 > delay_release (0 or 1); a K walk of fewer steps has no delay.
-  stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
-  delay = cfg.delay_release if stages > cfg.delay_release else 0
-  slots = cfg.logits_slots
-  sg = cfg.split_group
-  n_items = n_local * n_rb
-  load, cast = common.load, common.cast
+    """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
+    if not isinstance(cfg, tuning.WgmmaForwardConfig):
+        raise TypeError(f"sm90_forward_wgmma needs a tuning.WgmmaForwardConfig, got {type(cfg).__name__}")
+    bm = cfg.block_m
+    n_wg = cfg.num_compute_wgs
+    cta_rows = cfg.cta_rows
+    assert n_pad % cta_rows == 0
+    n_rb = n_pad // cta_rows
+    if d % TILE_K:
+        raise ValueError(f"hidden size D={d} must be a multiple of {TILE_K}")
+    k_iters = d // TILE_K
+    w = geom.tiles_per_group
+    gcols = geom.group_cols
+    n_groups = geom.n_groups
+    c0 = geom.col_offset
+    vocab = geom.vocab_size
+    j0 = geom.split_first
+    n_local = geom.n_local
+    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    row_l, col_l = common.row_layout(), common.col_layout()
+    extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
+    # pipeline_stages gives at least 2 > delay_release (0 or 1); a K walk of fewer steps has no delay.
+    stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
+    delay = cfg.delay_release if stages > cfg.delay_release else 0
+    slots = cfg.logits_slots
+    sg = cfg.split_group
+    n_items = n_local * n_rb
+    load, cast = common.load, common.cast
 
-  def kernel(*refs):
-    h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(refs, has_bias,
-                                                                                                   return_logits)
-
-    def get_pipeline(body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          body,
-          grid=(n_groups, k_iters),
-          memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms,
-                              delay_release=delay),
-              plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms,
-                              delay_release=delay),
-          ],
-          wg_axis="wg",
-          num_compute_wgs=n_wg,
-          max_concurrent_steps=stages,
-          compute_context=compute_context,
-      )
-
-    ignore = lambda *_, **__: None
-    w_span = n_groups * gcols  # weight rows touched by one work item (may run past Vl: TMA zero fill)
-
-    scoped = dict(
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-            h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, w_span), :]
-        ),
-    )
-    # TMA needs the logits row length to be a multiple of the staging tile's
-    # minor tiling (swizzle bytes / 4 f32): pick the widest swizzle that
-    # divides it (lg_cols is a multiple of 8, so 32B always works).
-    lg_swz = next(sw for sw in (128, 64, 32) if lg_cols % (sw // 4) == 0) if return_logits else 128
-    lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
-    if return_logits:
-      scoped["out_smem"] = plgpu.SMEM((n_wg, slots, bm, TILE), F32, transforms=lg_transforms)
-
-    @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(pipeline_allocs, out_smem=None):
-      wg = lax.axis_index("wg")
-
-      @plgpu.nd_loop((n_items,), collective_axes="cta")
-      def _work(info):
-        js, rb = common.work_item(info.index[0], n_local, n_rb, sg)
-        j = js + j0
-        t0, t1 = common.split_tiles(geom, j)
-        row0 = rb * cta_rows
-        wrow0 = t0 * TILE - c0  # first weight row of this split
-        limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
-
-        def compute_context(eval_pipeline):
-          wrow = row0 + wg * bm
-          tgt = load(tgt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
-          invt = load(invt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
-          ops = ptx_ops.make_ops(interpret, common.layout_of, source=invt)
-          # mma_body (called from eval_pipeline) reads these.
-          ctx_vals.update(ops=ops, tgt=tgt, invt=invt)
-
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
-          def _acc_scope(acc_ref):
-            m0 = cast(jnp.full((bm,), -jnp.inf, F32), row_l, interpret)
-            s0 = cast(jnp.zeros((bm,), F32), row_l, interpret)
-            zt0 = cast(jnp.zeros((bm,), F32), row_l, interpret)
-            _, m, s, zt = eval_pipeline((acc_ref, m0, s0, zt0))
-            m_out.at[js, pl.ds(wrow, bm)][...] = m
-            s_out.at[js, pl.ds(wrow, bm)][...] = s
-            zt_out.at[js, pl.ds(wrow, bm)][...] = zt
-
-        ctx_vals = {}
-
-        def epilogue(acc_ref, g, m, s, zt):
-          if delay and not interpret:
-            plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
-          z_all = acc_ref[...]
-          ops, tgt, invt = ctx_vals["ops"], ctx_vals["tgt"], ctx_vals["invt"]
-          wrow = row0 + wg * bm
-          invt_b = jnp.broadcast_to(invt[:, None], (bm, TILE))
-          col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
-          if not interpret:
-            col_iota = plgpu.layout_cast(col_iota, plgpu.Layout.WGMMA)
-          for i in range(w):
-            tile = t0 + g * w + i  # global tile index
-            tcol0 = tile * TILE
-            z = z_all[:, i * TILE : (i + 1) * TILE]
-            if has_bias:
-              b = load(b_gmem.at[pl.ds(tcol0 - c0, TILE)], col_l, interpret)
-              z = ops.add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
-            m, s, zt = common.chain_step(m, s, zt, z, tile=tile, t1=t1, limit=limit, tgt=tgt, invt_b=invt_b,
-                                         col_iota=col_iota, ops=ops, interpret=interpret)
-            if return_logits:
-              # Tile t of the work item uses staging slot t % slots; waiting
-              # until at most slots - 1 stores are pending frees this slot.
-              # The item's first store waits for all (the previous item's
-              # last stores were issued a whole K walk ago, so this is free),
-              # since the previous item may have ended on any slot.
-              slot = lax.rem(g * w + i, slots)
-
-              # Tiles wholly past the logits' width (padding columns) are not
-              # stored; they come last in a work item, so no store follows a skipped one.
-              @pl.when((tile < t1) & (tcol0 - c0 < lg_cols))
-              def _store():
-                if i == 0:
-                  @pl.when(g == 0)
-                  def _drain():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                out_smem.at[wg, slot][...] = z
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg, slot], lg_out.at[pl.ds(wrow, bm), pl.ds(tcol0 - c0, TILE)]
-                )
-          common.zero_acc(acc_ref, bm, gcols, interpret)
-          return m, s, zt
-
-        def mma_body(idxs, h_smem, w_smem, carry):
-          g, k = idxs
-          acc_ref, m, s, zt = carry
-          plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
-          plgpu.wgmma_wait(delay)
-          m, s, zt = lax.cond(
-              k == k_iters - 1,
-              lambda m, s, zt: epilogue(acc_ref, g, m, s, zt),
-              lambda m, s, zt: (m, s, zt),
-              m, s, zt,
-          )
-          return acc_ref, m, s, zt
-
-        get_pipeline(mma_body, compute_context)(
-            h_gmem.at[pl.ds(row0, cta_rows), :],
-            w_gmem.at[pl.ds(wrow0, w_span), :],
-            allocations=pipeline_allocs,
+    def kernel(*refs):
+        h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
+            refs, has_bias, return_logits
         )
 
-      if return_logits:
-        plgpu.wait_smem_to_gmem(0)
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(n_groups, k_iters),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms, delay_release=delay
+                    ),
+                    plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms, delay_release=delay),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=n_wg,
+                max_concurrent_steps=stages,
+                compute_context=compute_context,
+            )
 
-  return plgpu.kernel(
-      kernel,
-      out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
-      grid=(num_ctas,),
-      grid_names=("cta",),
-      num_threads=n_wg + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=False),
-      **interpret_utils.kernel_kwargs(interpret, interpret_params),
-  )
+        ignore = lambda *_, **__: None
+        w_span = n_groups * gcols  # weight rows touched by one work item (may run past Vl: TMA zero fill)
+
+        scoped = dict(
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+                h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, w_span), :]
+            ),
+        )
+        # TMA needs the logits row length to be a multiple of the staging tile's
+        # minor tiling (swizzle bytes / 4 f32): pick the widest swizzle that
+        # divides it (lg_cols is a multiple of 8, so 32B always works).
+        lg_swz = next(sw for sw in (128, 64, 32) if lg_cols % (sw // 4) == 0) if return_logits else 128
+        lg_transforms = (plgpu.TilingTransform((8, lg_swz // 4)), plgpu.SwizzleTransform(lg_swz))
+        if return_logits:
+            scoped["out_smem"] = plgpu.SMEM((n_wg, slots, bm, TILE), F32, transforms=lg_transforms)
+
+        @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+        def _scope(pipeline_allocs, out_smem=None):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_items,), collective_axes="cta")
+            def _work(info):
+                js, rb = common.work_item(info.index[0], n_local, n_rb, sg)
+                j = js + j0
+                t0, t1 = common.split_tiles(geom, j)
+                row0 = rb * cta_rows
+                wrow0 = t0 * TILE - c0  # first weight row of this split
+                limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
+
+                def compute_context(eval_pipeline):
+                    wrow = row0 + wg * bm
+                    tgt = load(tgt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
+                    invt = load(invt_gmem.at[pl.ds(wrow, bm)], row_l, interpret)
+                    ops = ptx_ops.make_ops(interpret, common.layout_of, source=invt)
+                    # mma_body (called from eval_pipeline) reads these.
+                    ctx_vals.update(ops=ops, tgt=tgt, invt=invt)
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
+                    def _acc_scope(acc_ref):
+                        m0 = cast(jnp.full((bm,), -jnp.inf, F32), row_l, interpret)
+                        s0 = cast(jnp.zeros((bm,), F32), row_l, interpret)
+                        zt0 = cast(jnp.zeros((bm,), F32), row_l, interpret)
+                        _, m, s, zt = eval_pipeline((acc_ref, m0, s0, zt0))
+                        m_out.at[js, pl.ds(wrow, bm)][...] = m
+                        s_out.at[js, pl.ds(wrow, bm)][...] = s
+                        zt_out.at[js, pl.ds(wrow, bm)][...] = zt
+
+                ctx_vals = {}
+
+                def epilogue(acc_ref, g, m, s, zt):
+                    if delay and not interpret:
+                        plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
+                    z_all = acc_ref[...]
+                    ops, tgt, invt = ctx_vals["ops"], ctx_vals["tgt"], ctx_vals["invt"]
+                    wrow = row0 + wg * bm
+                    invt_b = jnp.broadcast_to(invt[:, None], (bm, TILE))
+                    col_iota = lax.broadcasted_iota(jnp.int32, (bm, TILE), 1)
+                    if not interpret:
+                        col_iota = plgpu.layout_cast(col_iota, plgpu.Layout.WGMMA)
+                    for i in range(w):
+                        tile = t0 + g * w + i  # global tile index
+                        tcol0 = tile * TILE
+                        z = z_all[:, i * TILE : (i + 1) * TILE]
+                        if has_bias:
+                            b = load(b_gmem.at[pl.ds(tcol0 - c0, TILE)], col_l, interpret)
+                            z = ops.add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
+                        m, s, zt = common.chain_step(
+                            m,
+                            s,
+                            zt,
+                            z,
+                            tile=tile,
+                            t1=t1,
+                            limit=limit,
+                            tgt=tgt,
+                            invt_b=invt_b,
+                            col_iota=col_iota,
+                            ops=ops,
+                            interpret=interpret,
+                        )
+                        if return_logits:
+                            # Tile t of the work item uses staging slot t % slots; waiting
+                            # until at most slots - 1 stores are pending frees this slot.
+                            # The item's first store waits for all (the previous item's
+                            # last stores were issued a whole K walk ago, so this is free),
+                            # since the previous item may have ended on any slot.
+                            slot = lax.rem(g * w + i, slots)
+
+                            # Tiles wholly past the logits' width (padding columns) are not
+                            # stored; they come last in a work item, so no store follows a skipped one.
+                            @pl.when((tile < t1) & (tcol0 - c0 < lg_cols))
+                            def _store():
+                                if i == 0:
+
+                                    @pl.when(g == 0)
+                                    def _drain():
+                                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                                out_smem.at[wg, slot][...] = z
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, slot], lg_out.at[pl.ds(wrow, bm), pl.ds(tcol0 - c0, TILE)]
+                                )
+
+                    common.zero_acc(acc_ref, bm, gcols, interpret)
+                    return m, s, zt
+
+                def mma_body(idxs, h_smem, w_smem, carry):
+                    g, k = idxs
+                    acc_ref, m, s, zt = carry
+                    plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
+                    plgpu.wgmma_wait(delay)
+                    m, s, zt = lax.cond(
+                        k == k_iters - 1,
+                        lambda m, s, zt: epilogue(acc_ref, g, m, s, zt),
+                        lambda m, s, zt: (m, s, zt),
+                        m,
+                        s,
+                        zt,
+                    )
+                    return acc_ref, m, s, zt
+
+                get_pipeline(mma_body, compute_context)(
+                    h_gmem.at[pl.ds(row0, cta_rows), :],
+                    w_gmem.at[pl.ds(wrow0, w_span), :],
+                    allocations=pipeline_allocs,
+                )
+
+            if return_logits:
+                plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=n_wg + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **interpret_utils.kernel_kwargs(interpret, interpret_params),
+    )

@@ -58,29 +58,29 @@ MAX_REGISTERS = tuning.MAX_REGISTERS
 
 
 def launch_registers(n_wgs: int) -> int:
-  """Registers per thread a CTA of n_wgs warpgroups launches with (64K / threads, a multiple of 8)."""
-  return 65536 // (n_wgs * 128) // 8 * 8
+    """Registers per thread a CTA of n_wgs warpgroups launches with (64K / threads, a multiple of 8)."""
+    return 65536 // (n_wgs * 128) // 8 * 8
 
 
 def register_split(cfg: tuning.WsForwardConfig) -> tuple[int, int, int]:
-  """(producer, wgmma, epilogue) registers per thread for `setmaxnreg`.
+    """(producer, wgmma, epilogue) registers per thread for `setmaxnreg`.
 
-  The CTA launches with floor(64K / threads) registers per thread (rounded
-  down to a multiple of 8: 128 for 4 warpgroups, 96 for 5) and `setmaxnreg`
-  only moves registers between its warpgroups, so the counts must sum to at
-  most warpgroups * that (or an increase waits forever). `mma_registers` 0
-  picks 128 (4 warpgroups) or 120 (5): the accumulator alone is 96. ptxas
-  compiles the whole kernel within the launch count (it does not follow
-  `setmaxnreg`), so the 64x192 wgmma needs a launch count of at least 122:
-  at most 4 warpgroups for w = 3.
-  """
-  n_wgs = cfg.num_compute_wgs + cfg.epilogue_wgs + 1
-  pool = n_wgs * launch_registers(n_wgs)
-  mma = cfg.mma_registers or (128 if n_wgs <= 4 else 120)
-  epi = min(MAX_REGISTERS, (pool - PRODUCER_REGISTERS - cfg.num_compute_wgs * mma) // cfg.epilogue_wgs // 8 * 8)
-  if mma % 8 or not 24 <= mma <= MAX_REGISTERS or epi < 24:
-    raise ValueError(f"register split does not fit: wgmma {mma}, epilogue {epi} ({tuning.describe(cfg)})")
-  return PRODUCER_REGISTERS, mma, epi
+    The CTA launches with floor(64K / threads) registers per thread (rounded
+    down to a multiple of 8: 128 for 4 warpgroups, 96 for 5) and `setmaxnreg`
+    only moves registers between its warpgroups, so the counts must sum to at
+    most warpgroups * that (or an increase waits forever). `mma_registers` 0
+    picks 128 (4 warpgroups) or 120 (5): the accumulator alone is 96. ptxas
+    compiles the whole kernel within the launch count (it does not follow
+    `setmaxnreg`), so the 64x192 wgmma needs a launch count of at least 122:
+    at most 4 warpgroups for w = 3.
+    """
+    n_wgs = cfg.num_compute_wgs + cfg.epilogue_wgs + 1
+    pool = n_wgs * launch_registers(n_wgs)
+    mma = cfg.mma_registers or (128 if n_wgs <= 4 else 120)
+    epi = min(MAX_REGISTERS, (pool - PRODUCER_REGISTERS - cfg.num_compute_wgs * mma) // cfg.epilogue_wgs // 8 * 8)
+    if mma % 8 or not 24 <= mma <= MAX_REGISTERS or epi < 24:
+        raise ValueError(f"register split does not fit: wgmma {mma}, epilogue {epi} ({tuning.describe(cfg)})")
+    return PRODUCER_REGISTERS, mma, epi
 
 
 def build(
@@ -97,246 +97,285 @@ def build(
     interpret_params=None,
     lg_rows: int | None = None,
 ):
-  """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
-  if not isinstance(cfg, tuning.WsForwardConfig):
-    raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
-  bm = cfg.block_m
-  n_mma, n_epi = cfg.num_compute_wgs, cfg.epilogue_wgs  # (checked by WsForwardConfig)
-  per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
-  reg_producer, reg_mma, reg_epi = register_split(cfg)
-  cta_rows = cfg.cta_rows
-  cl = cfg.cluster
-  if cl > 1 and interpret:
-    raise ValueError("the interpreter has no TMA multicast: run cluster=1 (the same bits) in interpret mode")
-  assert n_pad % (cta_rows * cl) == 0 and num_ctas % cl == 0, (n_pad, num_ctas, cl)
-  n_rb = n_pad // cta_rows
-  n_clusters = num_ctas // cl
-  tile_k = cfg.tile_k
-  if d % tile_k:
-    raise ValueError(f"hidden size D={d} must be a multiple of {tile_k}")
-  k_iters = d // tile_k
-  w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
-  c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
-  n_items = n_local * (n_rb // cl)  # (split, cluster row block) pairs
-  dump_bytes = tuning.accumulator_copy_bytes(cfg, w)
-  stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
-  assert stages >= 2, stages  # one slot would deadlock: step k waits for the release that follows its own wgmma
-  stage_bytes = tuning.stage_bytes(cfg, w, tile_k)
-  if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
-    raise ValueError(f"{stages} stages of {stage_bytes} B plus {dump_bytes} B of hand-off buffers exceed "
-                     f"{tuning.SMEM_LIMIT} B of shared memory")
-  sg = cfg.split_group
-  producer = n_mma + n_epi
-  # One K slice of tile_k bf16 = one swizzle row (64 -> 128B, 32 -> 64B). The wgmma
-  # instruction sequence per accumulator (k16 ascending) does not depend on it.
-  transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(2 * tile_k))
-  sps = cfg.epilogue_slices
-  row_l = common.row_layout()
-  col_l = common.col_layout()
-  tile_l = plgpu.Layout.WGMMA
-  load, cast = common.load, common.cast
+    """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
+    if not isinstance(cfg, tuning.WsForwardConfig):
+        raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
+    bm = cfg.block_m
+    n_mma, n_epi = cfg.num_compute_wgs, cfg.epilogue_wgs  # (checked by WsForwardConfig)
+    per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
+    reg_producer, reg_mma, reg_epi = register_split(cfg)
+    cta_rows = cfg.cta_rows
+    cl = cfg.cluster
+    if cl > 1 and interpret:
+        raise ValueError("the interpreter has no TMA multicast: run cluster=1 (the same bits) in interpret mode")
+    assert n_pad % (cta_rows * cl) == 0 and num_ctas % cl == 0, (n_pad, num_ctas, cl)
+    n_rb = n_pad // cta_rows
+    n_clusters = num_ctas // cl
+    tile_k = cfg.tile_k
+    if d % tile_k:
+        raise ValueError(f"hidden size D={d} must be a multiple of {tile_k}")
+    k_iters = d // tile_k
+    w, gcols, n_groups = geom.tiles_per_group, geom.group_cols, geom.n_groups
+    c0, vocab, j0, n_local = geom.col_offset, geom.vocab_size, geom.split_first, geom.n_local
+    n_items = n_local * (n_rb // cl)  # (split, cluster row block) pairs
+    dump_bytes = tuning.accumulator_copy_bytes(cfg, w)
+    stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
+    assert stages >= 2, stages  # one slot would deadlock: step k waits for the release that follows its own wgmma
+    stage_bytes = tuning.stage_bytes(cfg, w, tile_k)
+    if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
+        raise ValueError(
+            f"{stages} stages of {stage_bytes} B plus {dump_bytes} B of hand-off buffers exceed "
+            f"{tuning.SMEM_LIMIT} B of shared memory"
+        )
+    sg = cfg.split_group
+    producer = n_mma + n_epi
+    # One K slice of tile_k bf16 = one swizzle row (64 -> 128B, 32 -> 64B). The wgmma
+    # instruction sequence per accumulator (k16 ascending) does not depend on it.
+    transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(2 * tile_k))
+    sps = cfg.epilogue_slices
+    row_l = common.row_layout()
+    col_l = common.col_layout()
+    tile_l = plgpu.Layout.WGMMA
+    load, cast = common.load, common.cast
 
-  def kernel(*refs):
-    h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
-        refs, has_bias, return_logits)
+    def kernel(*refs):
+        h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
+            refs, has_bias, return_logits
+        )
 
-    scoped = dict(
-        h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
-        w_smem=plgpu.SMEM((stages, gcols, tile_k), jnp.bfloat16, transforms=transforms),
-        # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
-        # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
-        # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
-        dump=plgpu.SMEM((n_mma, w, 8, bm, 8), F32),
-        full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
-        # cluster are done with it (the peer's multicast writes into it too).
-        empty=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=n_mma, num_barriers=stages)
-               if cl > 1 else plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages)),
-        dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
-        dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+        scoped = dict(
+            h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
+            w_smem=plgpu.SMEM((stages, gcols, tile_k), jnp.bfloat16, transforms=transforms),
+            # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
+            # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
+            # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
+            dump=plgpu.SMEM((n_mma, w, 8, bm, 8), F32),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
+            # cluster are done with it (the peer's multicast writes into it too).
+            empty=(
+                plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=n_mma, num_barriers=stages)
+                if cl > 1
+                else plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages)
+            ),
+            dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+            dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+        )
+
+        @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+        def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty):
+            wg = lax.axis_index("wg")
+            cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
+            n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
+
+            def item(li):
+                js, rbc = common.work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
+                rb = rbc * cl + lax.axis_index("cluster") if cl > 1 else rbc
+                t0, t1 = common.split_tiles(geom, js + j0)
+                return js, rb, t0, t1
+
+            launch = launch_registers(producer + 1)
+
+            def set_registers(n):
+                # setmaxnreg.inc may only raise and .dec only lower the launch count.
+                if not interpret and n != launch:
+                    plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
+
+            @pl.when(wg == producer)
+            def _producer():
+                set_registers(reg_producer)
+
+                def item_body(li, step):
+                    _, rb, t0, _ = item(li)
+                    row0, wrow0 = rb * cta_rows, t0 * TILE - c0
+
+                    def load_step(sk, step):
+                        g = sk // k_iters
+                        k = sk - g * k_iters
+                        slot = lax.rem(step, stages)
+                        plgpu.barrier_wait(empty.at[slot])
+                        plgpu.copy_gmem_to_smem(
+                            h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * tile_k, tile_k)], h_smem.at[slot], full.at[slot]
+                        )
+                        # Rows past the weight's end (the last group of the last split) read as zero (TMA fill).
+                        # In a cluster both CTAs issue this same copy: each loads half the rows and
+                        # multicasts them to both, and each CTA's full[slot] awaits all gcols rows.
+                        plgpu.copy_gmem_to_smem(
+                            w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)],
+                            w_smem.at[slot],
+                            full.at[slot],
+                            collective_axes="cluster" if cl > 1 else None,
+                        )
+                        return step + 1
+
+                    return lax.fori_loop(0, n_groups * k_iters, load_step, step)
+
+                step = lax.fori_loop(0, n_mine, item_body, jnp.int32(0))
+                # Observe the releases of the last `stages` slots (no barrier phase is left unobserved).
+                for q in range(stages):
+                    plgpu.barrier_wait(empty.at[lax.rem(step + q, stages)])
+
+            @pl.when(wg < n_mma)
+            def _wgmma():
+                set_registers(reg_mma)
+                for st in range(stages):  # every slot starts free
+                    plgpu.barrier_arrive(empty.at[st])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
+                def _acc_scope(acc_ref):
+                    def k_step(k, carry):
+                        acc_ref, step = carry
+                        slot = lax.rem(step, stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_smem.at[slot].T)
+                        plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
+
+                        @pl.when(k > 0)
+                        def _release():
+                            plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+
+                        return acc_ref, step + 1
+
+                    def group(g, carry):
+                        acc_ref, step = lax.fori_loop(0, k_iters, k_step, carry)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+                        plgpu.barrier_wait(dump_empty.at[wg])
+                        z_all = acc_ref[...]
+                        for i in range(w):
+                            for j in range(8):
+                                dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
+                        common.zero_acc(acc_ref, bm, gcols, interpret)
+                        if return_logits and not has_bias:
+                            plgpu.commit_smem()  # the epilogue's TMA stores read these writes (with bias it rewrites and commits)
+                        plgpu.barrier_arrive(dump_full.at[wg])
+                        return acc_ref, step
+
+                    def item_body(li, carry):
+                        return lax.fori_loop(0, n_groups, group, carry)
+
+                    lax.fori_loop(0, n_mine, item_body, (acc_ref, jnp.int32(0)))
+                    plgpu.barrier_wait(dump_empty.at[wg])  # the last hand-back (no phase left unobserved)
+
+            @pl.when((wg >= n_mma) & (wg < producer))
+            def _epilogue():
+                set_registers(reg_epi)
+                ep = wg - n_mma
+                bufs = [ep * per_epi + q for q in range(per_epi)]
+                for b in bufs:  # every hand-off buffer starts free
+                    plgpu.barrier_arrive(dump_empty.at[b])
+                row_cast = lambda x: cast(x, row_l, interpret)
+                tile_cast = lambda x: cast(x, tile_l, interpret)
+
+                def item_body(li, _):
+                    js, rb, t0, t1 = item(li)
+                    limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
+                    rows = [rb * cta_rows + b * bm for b in bufs]
+                    tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+                    invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+                    ops = ptx_ops.make_ops(interpret, common.layout_of, source=invts[0])
+                    init = tuple(
+                        (
+                            row_cast(jnp.full((bm,), -jnp.inf, F32)),
+                            row_cast(jnp.zeros((bm,), F32)),
+                            row_cast(jnp.zeros((bm,), F32)),
+                        )
+                        for _ in bufs
+                    )
+
+                    def tile_chain(q, b, g):
+                        def body(i, st):
+                            m, s, zt = st
+                            tile = t0 + g * w + i  # global tile index
+                            tcol0 = tile * TILE
+                            # z = fl(acc + b), written back in place: both chain passes and the logits read z.
+                            # Each thread reads and rewrites the same addresses (the load and the store use
+                            # the same WGMMA layout), so no cross-thread hazard needs the barriers that
+                            # unsafe_no_auto_barriers removes.
+                            if has_bias:
+                                for j in range(8):
+                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + 8 * j, 8)], col_l, interpret)
+                                    zj = load(dump.at[b, i, j], tile_l, interpret)
+                                    dump.at[b, i, j][...] = tile_cast(
+                                        ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, 8)))
+                                    )
+                            if return_logits:
+
+                                @pl.when(
+                                    (tile < t1) & (tcol0 - c0 < lg_cols)
+                                )  # padding tiles past the logits' width: none
+                                def _store():
+                                    if has_bias:
+                                        plgpu.commit_smem()
+                                    for j in range(8):
+
+                                        @pl.when(
+                                            tcol0 - c0 + 8 * j < lg_cols
+                                        )  # slices wholly past the logits' width: none
+                                        def _slice():
+                                            plgpu.copy_smem_to_gmem(
+                                                dump.at[b, i, j],
+                                                lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + 8 * j, 8)],
+                                            )
+
+                            m2, s2, z_hit = tile_math.chain_tile_sliced(
+                                m,
+                                s,
+                                lambda j: load(dump.at[b, i, j], tile_l, interpret),
+                                tcol0,
+                                tgts[q],
+                                invts[q],
+                                limit,
+                                (tile + 1) * TILE <= limit,
+                                ops,
+                                interpret=interpret,
+                                tile_cast=tile_cast,
+                                row_cast=row_cast,
+                                slices_per_step=sps,
+                            )
+                            row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
+                            return row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt))
+
+                        return body
+
+                    def group(g, state):
+                        new = []
+                        for q, b in enumerate(bufs):
+                            plgpu.barrier_wait(dump_full.at[b])
+                            st = lax.fori_loop(0, w, tile_chain(q, b, g), state[q])
+                            if return_logits:
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
+                            plgpu.barrier_arrive(dump_empty.at[b])
+                            new.append(st)
+                        return tuple(new)
+
+                    state = lax.fori_loop(0, n_groups, group, init)
+                    for q, r in enumerate(rows):
+                        m, s, zt = state[q]
+                        m_out.at[js, pl.ds(r, bm)][...] = m
+                        s_out.at[js, pl.ds(r, bm)][...] = s
+                        zt_out.at[js, pl.ds(r, bm)][...] = zt
+                    return 0
+
+                lax.fori_loop(0, n_mine, item_body, 0)
+                if return_logits:
+                    plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
+        grid=(n_clusters,),
+        grid_names=("cta",),
+        **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
+        num_threads=producer + 1,
+        thread_name="wg",
+        # No automatic warpgroup barriers around SMEM accesses (unless cfg.auto_barriers,
+        # a timing knob): hand-off buffer writes and reads of different warpgroups are
+        # ordered by the release/acquire dump_full / dump_empty mbarriers (all 128
+        # threads arrive and wait); the epilogue's bias rewrite touches only the
+        # addresses its own thread read; TMA and wgmma accesses of the ring are ordered
+        # by full / empty; commit_smem (fence + warpgroup barrier) precedes every TMA
+        # store of a buffer (H200: 7.90 vs 8.15 ms at M=4096 with the barriers).
+        compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=not cfg.auto_barriers),
+        **interpret_utils.kernel_kwargs(interpret, interpret_params),
     )
-
-    @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-    def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty):
-      wg = lax.axis_index("wg")
-      cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
-      n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
-
-      def item(li):
-        js, rbc = common.work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
-        rb = rbc * cl + lax.axis_index("cluster") if cl > 1 else rbc
-        t0, t1 = common.split_tiles(geom, js + j0)
-        return js, rb, t0, t1
-
-      launch = launch_registers(producer + 1)
-
-      def set_registers(n):
-        # setmaxnreg.inc may only raise and .dec only lower the launch count.
-        if not interpret and n != launch:
-          plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
-
-      @pl.when(wg == producer)
-      def _producer():
-        set_registers(reg_producer)
-
-        def item_body(li, step):
-          _, rb, t0, _ = item(li)
-          row0, wrow0 = rb * cta_rows, t0 * TILE - c0
-
-          def load_step(sk, step):
-            g = sk // k_iters
-            k = sk - g * k_iters
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(empty.at[slot])
-            plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * tile_k, tile_k)],
-                                    h_smem.at[slot], full.at[slot])
-            # Rows past the weight's end (the last group of the last split) read as zero (TMA fill).
-            # In a cluster both CTAs issue this same copy: each loads half the rows and
-            # multicasts them to both, and each CTA's full[slot] awaits all gcols rows.
-            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)],
-                                    w_smem.at[slot], full.at[slot],
-                                    collective_axes="cluster" if cl > 1 else None)
-            return step + 1
-
-          return lax.fori_loop(0, n_groups * k_iters, load_step, step)
-
-        step = lax.fori_loop(0, n_mine, item_body, jnp.int32(0))
-        # Observe the releases of the last `stages` slots (no barrier phase is left unobserved).
-        for q in range(stages):
-          plgpu.barrier_wait(empty.at[lax.rem(step + q, stages)])
-
-      @pl.when(wg < n_mma)
-      def _wgmma():
-        set_registers(reg_mma)
-        for st in range(stages):  # every slot starts free
-          plgpu.barrier_arrive(empty.at[st])
-
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
-        def _acc_scope(acc_ref):
-          def k_step(k, carry):
-            acc_ref, step = carry
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(full.at[slot])
-            plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_smem.at[slot].T)
-            plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
-
-            @pl.when(k > 0)
-            def _release():
-              plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-
-            return acc_ref, step + 1
-
-          def group(g, carry):
-            acc_ref, step = lax.fori_loop(0, k_iters, k_step, carry)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-            plgpu.barrier_wait(dump_empty.at[wg])
-            z_all = acc_ref[...]
-            for i in range(w):
-              for j in range(8):
-                dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
-            common.zero_acc(acc_ref, bm, gcols, interpret)
-            if return_logits and not has_bias:
-              plgpu.commit_smem()  # the epilogue's TMA stores read these writes (with bias it rewrites and commits)
-            plgpu.barrier_arrive(dump_full.at[wg])
-            return acc_ref, step
-
-          def item_body(li, carry):
-            return lax.fori_loop(0, n_groups, group, carry)
-
-          lax.fori_loop(0, n_mine, item_body, (acc_ref, jnp.int32(0)))
-          plgpu.barrier_wait(dump_empty.at[wg])  # the last hand-back (no phase left unobserved)
-
-      @pl.when((wg >= n_mma) & (wg < producer))
-      def _epilogue():
-        set_registers(reg_epi)
-        ep = wg - n_mma
-        bufs = [ep * per_epi + q for q in range(per_epi)]
-        for b in bufs:  # every hand-off buffer starts free
-          plgpu.barrier_arrive(dump_empty.at[b])
-        row_cast = lambda x: cast(x, row_l, interpret)
-        tile_cast = lambda x: cast(x, tile_l, interpret)
-
-        def item_body(li, _):
-          js, rb, t0, t1 = item(li)
-          limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
-          rows = [rb * cta_rows + b * bm for b in bufs]
-          tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-          invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-          ops = ptx_ops.make_ops(interpret, common.layout_of, source=invts[0])
-          init = tuple((row_cast(jnp.full((bm,), -jnp.inf, F32)), row_cast(jnp.zeros((bm,), F32)),
-                        row_cast(jnp.zeros((bm,), F32))) for _ in bufs)
-
-          def tile_chain(q, b, g):
-            def body(i, st):
-              m, s, zt = st
-              tile = t0 + g * w + i  # global tile index
-              tcol0 = tile * TILE
-              # z = fl(acc + b), written back in place: both chain passes and the logits read z.
-              # Each thread reads and rewrites the same addresses (the load and the store use
-              # the same WGMMA layout), so no cross-thread hazard needs the barriers that
-              # unsafe_no_auto_barriers removes.
-              if has_bias:
-                for j in range(8):
-                  bias = load(b_gmem.at[pl.ds(tcol0 - c0 + 8 * j, 8)], col_l, interpret)
-                  zj = load(dump.at[b, i, j], tile_l, interpret)
-                  dump.at[b, i, j][...] = tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, 8))))
-              if return_logits:
-                @pl.when((tile < t1) & (tcol0 - c0 < lg_cols))  # padding tiles past the logits' width: none
-                def _store():
-                  if has_bias:
-                    plgpu.commit_smem()
-                  for j in range(8):
-                    @pl.when(tcol0 - c0 + 8 * j < lg_cols)  # slices wholly past the logits' width: none
-                    def _slice():
-                      plgpu.copy_smem_to_gmem(dump.at[b, i, j],
-                                              lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + 8 * j, 8)])
-              m2, s2, z_hit = tile_math.chain_tile_sliced(
-                  m, s, lambda j: load(dump.at[b, i, j], tile_l, interpret), tcol0, tgts[q], invts[q], limit,
-                  (tile + 1) * TILE <= limit, ops, interpret=interpret, tile_cast=tile_cast, row_cast=row_cast,
-                  slices_per_step=sps)
-              row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
-              return row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt))
-            return body
-
-          def group(g, state):
-            new = []
-            for q, b in enumerate(bufs):
-              plgpu.barrier_wait(dump_full.at[b])
-              st = lax.fori_loop(0, w, tile_chain(q, b, g), state[q])
-              if return_logits:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
-              plgpu.barrier_arrive(dump_empty.at[b])
-              new.append(st)
-            return tuple(new)
-
-          state = lax.fori_loop(0, n_groups, group, init)
-          for q, r in enumerate(rows):
-            m, s, zt = state[q]
-            m_out.at[js, pl.ds(r, bm)][...] = m
-            s_out.at[js, pl.ds(r, bm)][...] = s
-            zt_out.at[js, pl.ds(r, bm)][...] = zt
-          return 0
-
-        lax.fori_loop(0, n_mine, item_body, 0)
-        if return_logits:
-          plgpu.wait_smem_to_gmem(0)
-
-  return plgpu.kernel(
-      kernel,
-      out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
-      grid=(n_clusters,),
-      grid_names=("cta",),
-      **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
-      num_threads=producer + 1,
-      thread_name="wg",
-      # No automatic warpgroup barriers around SMEM accesses (unless cfg.auto_barriers,
-      # a timing knob): hand-off buffer writes and reads of different warpgroups are
-      # ordered by the release/acquire dump_full / dump_empty mbarriers (all 128
-      # threads arrive and wait); the epilogue's bias rewrite touches only the
-      # addresses its own thread read; TMA and wgmma accesses of the ring are ordered
-      # by full / empty; commit_smem (fence + warpgroup barrier) precedes every TMA
-      # store of a buffer (H200: 7.90 vs 8.15 ms at M=4096 with the barriers).
-      compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=not cfg.auto_barriers),
-      **interpret_utils.kernel_kwargs(interpret, interpret_params),
-  )

@@ -19,65 +19,65 @@ NEG_INF = float("-inf")
 
 
 def tree64(e, ops, *, interpret: bool):
-  """oracle.tree64 over the 64 lanes of each row of e [BM, 64]: returns [BM].
+    """oracle.tree64 over the 64 lanes of each row of e [BM, 64]: returns [BM].
 
-  The adjacent-pairwise balanced tree. On the GPU the three lowest levels come
-  from `jnp.sum` over static 8-column slices of the WGMMA-layout tile: a
-  thread holds columns (8j + 2q, 8j + 2q + 1), so Mosaic GPU reduces
-  in-thread first and then with butterfly shuffles xor 1, xor 2, which is
-  exactly ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)) (verified in IR and on H200; the
-  e lanes are normal or +0, so the non-FTZ shuffle adds round identically).
-  The last three levels add the eight partials pairwise with pinned ops. In
-  interpret mode XLA's reduce order is unspecified, so all six levels are
-  explicit pairwise adds.
-  """
-  assert e.shape[-1] == C.TILE_V, e.shape
-  if interpret:
-    return pairwise([e[:, i] for i in range(C.TILE_V)], ops)
-  return pairwise([slice_sum8(e[:, 8 * j : 8 * j + 8], ops, interpret=False) for j in range(8)], ops)
+    The adjacent-pairwise balanced tree. On the GPU the three lowest levels come
+    from `jnp.sum` over static 8-column slices of the WGMMA-layout tile: a
+    thread holds columns (8j + 2q, 8j + 2q + 1), so Mosaic GPU reduces
+    in-thread first and then with butterfly shuffles xor 1, xor 2, which is
+    exactly ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)) (verified in IR and on H200; the
+    e lanes are normal or +0, so the non-FTZ shuffle adds round identically).
+    The last three levels add the eight partials pairwise with pinned ops. In
+    interpret mode XLA's reduce order is unspecified, so all six levels are
+    explicit pairwise adds.
+    """
+    assert e.shape[-1] == C.TILE_V, e.shape
+    if interpret:
+        return pairwise([e[:, i] for i in range(C.TILE_V)], ops)
+    return pairwise([slice_sum8(e[:, 8 * j : 8 * j + 8], ops, interpret=False) for j in range(8)], ops)
 
 
 def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, masked: bool = True):
-  """One step of the ascending split chain for a 64-column tile.
+    """One step of the ascending split chain for a 64-column tile.
 
-  m, s, tgt: [BM] row vectors (running max, running sum, target column id). z: [BM, 64] FP32 logits of the tile
-  (post-bias, unscaled). col: [BM, 64] int32 global column of each lane.
-  inv_t_b: [BM, 64] broadcast inverse temperature. m_limit: the first global
-  column NOT owned by this chain (min(vocab_size, split end)); lanes at
-  col >= m_limit are padding: y = -inf, e = +0 (a tile entirely beyond the
-  split end is therefore exactly neutral).
+    m, s, tgt: [BM] row vectors (running max, running sum, target column id). z: [BM, 64] FP32 logits of the tile
+    (post-bias, unscaled). col: [BM, 64] int32 global column of each lane.
+    inv_t_b: [BM, 64] broadcast inverse temperature. m_limit: the first global
+    column NOT owned by this chain (min(vocab_size, split end)); lanes at
+    col >= m_limit are padding: y = -inf, e = +0 (a tile entirely beyond the
+    split end is therefore exactly neutral).
 
-  Contract: y = fl(z * inv_t) on valid lanes; tm = max(y); m' = max(m, tm);
-  alpha = 1 if m == m' else pexp(m - m'); e = pexp(y - m') on valid lanes;
-  S = fl(fl(S * alpha) + tree64(e)). `ops.exp_diff(a, b)` is pexp(fl(a - b)).
-  Returns (m', S', z_hit) where z_hit is
-  z at the lane with col == tgt (-inf if no lane of the row holds it; the
-  caller selects it only for rows whose target lies in this tile).
+    Contract: y = fl(z * inv_t) on valid lanes; tm = max(y); m' = max(m, tm);
+    alpha = 1 if m == m' else pexp(m - m'); e = pexp(y - m') on valid lanes;
+    S = fl(fl(S * alpha) + tree64(e)). `ops.exp_diff(a, b)` is pexp(fl(a - b)).
+    Returns (m', S', z_hit) where z_hit is
+    z at the lane with col == tgt (-inf if no lane of the row holds it; the
+    caller selects it only for rows whose target lies in this tile).
 
-  masked=False: the caller guarantees every lane is valid (col < m_limit);
-  the masks are then identities and are skipped (same bits).
-  """
-  bm = z.shape[0]
-  y = ops.mul(z, inv_t_b)
-  if masked:
-    valid = col < m_limit
-    y = jnp.where(valid, y, jnp.asarray(NEG_INF, F32))
-  tm = jnp.max(y, axis=1)
-  m_new = jnp.maximum(m, tm)
-  alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
-  m_b = jnp.broadcast_to(m_new[:, None], (bm, C.TILE_V))
-  e = ops.exp_diff(y, m_b)
-  if masked:
-    e = jnp.where(valid, e, jnp.asarray(0.0, F32))
-  s_new = ops.add(ops.mul(s, alpha), tree64(e, ops, interpret=interpret))
-  # Target capture: the lane with col == tgt (at most one lane per row). max
-  # over -inf and the one hit lane is the hit lane's value exactly (NaN
-  # propagates, -0 stays -0). The caller uses it only for rows whose target
-  # lies in this tile of this split.
-  tgt_b = jnp.broadcast_to(tgt[:, None], (bm, C.TILE_V))
-  hit = col == tgt_b
-  z_hit = jnp.max(jnp.where(hit, z, jnp.asarray(NEG_INF, F32)), axis=1)
-  return m_new, s_new, z_hit
+    masked=False: the caller guarantees every lane is valid (col < m_limit);
+    the masks are then identities and are skipped (same bits).
+    """
+    bm = z.shape[0]
+    y = ops.mul(z, inv_t_b)
+    if masked:
+        valid = col < m_limit
+        y = jnp.where(valid, y, jnp.asarray(NEG_INF, F32))
+    tm = jnp.max(y, axis=1)
+    m_new = jnp.maximum(m, tm)
+    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
+    m_b = jnp.broadcast_to(m_new[:, None], (bm, C.TILE_V))
+    e = ops.exp_diff(y, m_b)
+    if masked:
+        e = jnp.where(valid, e, jnp.asarray(0.0, F32))
+    s_new = ops.add(ops.mul(s, alpha), tree64(e, ops, interpret=interpret))
+    # Target capture: the lane with col == tgt (at most one lane per row). max
+    # over -inf and the one hit lane is the hit lane's value exactly (NaN
+    # propagates, -0 stays -0). The caller uses it only for rows whose target
+    # lies in this tile of this split.
+    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, C.TILE_V))
+    hit = col == tgt_b
+    z_hit = jnp.max(jnp.where(hit, z, jnp.asarray(NEG_INF, F32)), axis=1)
+    return m_new, s_new, z_hit
 
 
 # The contract's log is shared with the XLA lane (same code, kernel ops).
@@ -85,89 +85,107 @@ plog = numerics.plog
 
 
 def slice_sum8(e, ops, *, interpret: bool):
-  """Levels 1-3 of tree64 over one 8-column slice e [BM, 8]: ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)).
+    """Levels 1-3 of tree64 over one 8-column slice e [BM, 8]: ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)).
 
-  On the GPU this is `jnp.sum(e, axis=1)` (in-thread pair, then butterfly
-  shuffles xor 1 and xor 2: see `tree64`); in interpret mode explicit pinned
-  adds (XLA's reduce order is unspecified).
-  """
-  if not interpret:
-    return jnp.sum(e, axis=1)
-  return pairwise([e[:, c] for c in range(8)], ops)
+    On the GPU this is `jnp.sum(e, axis=1)` (in-thread pair, then butterfly
+    shuffles xor 1 and xor 2: see `tree64`); in interpret mode explicit pinned
+    adds (XLA's reduce order is unspecified).
+    """
+    if not interpret:
+        return jnp.sum(e, axis=1)
+    return pairwise([e[:, c] for c in range(8)], ops)
 
 
 def pairwise(vals, ops):
-  """The adjacent-pairwise balanced tree over a power-of-two list (pinned adds)."""
-  assert len(vals) & (len(vals) - 1) == 0, len(vals)
-  while len(vals) > 1:
-    vals = [ops.add(vals[2 * i], vals[2 * i + 1]) for i in range(len(vals) // 2)]
-  return vals[0]
+    """The adjacent-pairwise balanced tree over a power-of-two list (pinned adds)."""
+    assert len(vals) & (len(vals) - 1) == 0, len(vals)
+    while len(vals) > 1:
+        vals = [ops.add(vals[2 * i], vals[2 * i + 1]) for i in range(len(vals) // 2)]
+    return vals[0]
 
 
-def chain_tile_sliced(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, *, interpret: bool,
-                      tile_cast, row_cast, slices_per_step: int = 2):
-  """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
+def chain_tile_sliced(
+    m,
+    s,
+    load_slice,
+    tcol0,
+    tgt,
+    inv_t,
+    m_limit,
+    full,
+    ops,
+    *,
+    interpret: bool,
+    tile_cast,
+    row_cast,
+    slices_per_step: int = 2,
+):
+    """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
 
-  load_slice(j) returns slice j (traced j allowed): the post-bias FP32 logits
-  of columns tcol0 + 8j ... + 8. Same contract step, same operations on every
-  lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
-  the row max (exact, so the max of the slice maxima is the tile max) and the
-  target capture; pass 2 reads them again (y recomputed: the same rounded
-  multiply of the same operands) for e = pexp(y - m') and the slice sums
-  (tree levels 1-3), in a loop of 8 / slices_per_step steps so the code stays
-  small; levels 4-6 are pinned pairwise adds. `full` (traced bool): every lane
-  of the tile is valid, the masks are skipped in pass 2 (identities then).
-  tile_cast / row_cast put [BM, 8] / [BM] arrays in the kernel's register
-  layouts (identities in interpret mode).
-  Returns (m', S', z_hit) as `chain_tile` does.
-  """
-  bm = m.shape[0]
-  neg_inf = jnp.asarray(NEG_INF, F32)
-  iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
-  inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
-  tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
-  tm = z_hit = None
-  for j in range(8):
-    z = load_slice(j)
-    col = iota8 + (tcol0 + 8 * j)
-    y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
-    tj = jnp.max(y, axis=1)
-    hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
-    tm = tj if tm is None else jnp.maximum(tm, tj)
-    z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
-  m_new = jnp.maximum(m, tm)
-  alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
-  m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
+    load_slice(j) returns slice j (traced j allowed): the post-bias FP32 logits
+    of columns tcol0 + 8j ... + 8. Same contract step, same operations on every
+    lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
+    the row max (exact, so the max of the slice maxima is the tile max) and the
+    target capture; pass 2 reads them again (y recomputed: the same rounded
+    multiply of the same operands) for e = pexp(y - m') and the slice sums
+    (tree levels 1-3), in a loop of 8 / slices_per_step steps so the code stays
+    small; levels 4-6 are pinned pairwise adds. `full` (traced bool): every lane
+    of the tile is valid, the masks are skipped in pass 2 (identities then).
+    tile_cast / row_cast put [BM, 8] / [BM] arrays in the kernel's register
+    layouts (identities in interpret mode).
+    Returns (m', S', z_hit) as `chain_tile` does.
+    """
+    bm = m.shape[0]
+    neg_inf = jnp.asarray(NEG_INF, F32)
+    iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
+    inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
+    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
+    tm = z_hit = None
+    for j in range(8):
+        z = load_slice(j)
+        col = iota8 + (tcol0 + 8 * j)
+        y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
+        tj = jnp.max(y, axis=1)
+        hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
+        tm = tj if tm is None else jnp.maximum(tm, tj)
+        z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
+    m_new = jnp.maximum(m, tm)
+    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
+    m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
 
-  def slice_part(j, masked):
-    z = load_slice(j)
-    y = ops.mul(z, inv_b)
-    if masked:
-      valid = (iota8 + (tcol0 + 8 * j)) < m_limit
-      y = jnp.where(valid, y, neg_inf)
-    e = ops.exp_diff(y, m_b)
-    if masked:
-      e = jnp.where(valid, e, jnp.asarray(0.0, F32))
-    return slice_sum8(e, ops, interpret=interpret)
+    def slice_part(j, masked):
+        z = load_slice(j)
+        y = ops.mul(z, inv_b)
+        if masked:
+            valid = (iota8 + (tcol0 + 8 * j)) < m_limit
+            y = jnp.where(valid, y, neg_inf)
+        e = ops.exp_diff(y, m_b)
+        if masked:
+            e = jnp.where(valid, e, jnp.asarray(0.0, F32))
+        return slice_sum8(e, ops, interpret=interpret)
 
-  n_steps = 8 // slices_per_step
-  assert n_steps * slices_per_step == 8, slices_per_step
+    n_steps = 8 // slices_per_step
+    assert n_steps * slices_per_step == 8, slices_per_step
 
-  def step_sum(k):
-    def sums(masked):
-      return pairwise([slice_part(k * slices_per_step + q, masked) for q in range(slices_per_step)], ops)
-    return lax.cond(full, lambda: sums(False), lambda: sums(True))
+    def step_sum(k):
+        def sums(masked):
+            return pairwise([slice_part(k * slices_per_step + q, masked) for q in range(slices_per_step)], ops)
 
-  if n_steps == 1:
-    tree = step_sum(0)
-  else:
-    def step(k, parts):
-      v = step_sum(k)
-      kk = row_cast(jnp.full((bm,), k, jnp.int32))  # the step index as a row vector (no scalar broadcast in selects)
-      return tuple(row_cast(jnp.where(kk == q, v, parts[q])) for q in range(n_steps))
+        return lax.cond(full, lambda: sums(False), lambda: sums(True))
 
-    zero = jnp.zeros((bm,), F32)
-    parts = lax.fori_loop(0, n_steps, step, tuple(row_cast(zero) for _ in range(n_steps)))
-    tree = pairwise(list(parts), ops)
-  s_new = ops.add(ops.mul(s, alpha), tree)
-  return m_new, s_new, z_hit
+    if n_steps == 1:
+        tree = step_sum(0)
+    else:
+
+        def step(k, parts):
+            v = step_sum(k)
+            kk = row_cast(
+                jnp.full((bm,), k, jnp.int32)
+            )  # the step index as a row vector (no scalar broadcast in selects)
+            return tuple(row_cast(jnp.where(kk == q, v, parts[q])) for q in range(n_steps))
+
+        zero = jnp.zeros((bm,), F32)
+        parts = lax.fori_loop(0, n_steps, step, tuple(row_cast(zero) for _ in range(n_steps)))
+        tree = pairwise(list(parts), ops)
+    s_new = ops.add(ops.mul(s, alpha), tree)
+    return m_new, s_new, z_hit

@@ -56,70 +56,82 @@ MAX_TILES_PER_GROUP = 4
 
 
 def _require(ok: bool, cfg, what: str):
-  if not ok:
-    raise ValueError(f"{type(cfg).__name__} {getattr(cfg, 'name', '')!r}: {what}")
+    if not ok:
+        raise ValueError(f"{type(cfg).__name__} {getattr(cfg, 'name', '')!r}: {what}")
 
 
 def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-  """The launch fields both forward kernels use. Build a `WgmmaForwardConfig` or a
-  `WsForwardConfig` (the type picks the kernel)."""
+    """The launch fields both forward kernels use. Build a `WgmmaForwardConfig` or a
+    `WsForwardConfig` (the type picks the kernel)."""
 
-  name: str
-  block_m: int  # rows per consumer (wgmma) warpgroup
-  num_compute_wgs: int  # consumer (wgmma) warpgroups per CTA
-  max_concurrent_steps: int  # pipeline depth (stages of (H, W) K-slices), before the SMEM budget
-  ctas_per_sm: int = 1  # persistent CTAs per SM (num_ctas = min(work, sms * this))
-  split_group: int = 0  # work order: 0 = row blocks fastest; G = G splits fastest within a group
+    name: str
+    block_m: int  # rows per consumer (wgmma) warpgroup
+    num_compute_wgs: int  # consumer (wgmma) warpgroups per CTA
+    max_concurrent_steps: int  # pipeline depth (stages of (H, W) K-slices), before the SMEM budget
+    ctas_per_sm: int = 1  # persistent CTAs per SM (num_ctas = min(work, sms * this))
+    split_group: int = 0  # work order: 0 = row blocks fastest; G = G splits fastest within a group
 
-  def __post_init__(self):
-    if type(self) is ForwardConfig:
-      raise TypeError("ForwardConfig is the shared part; build a WgmmaForwardConfig or a WsForwardConfig")
-    _require(isinstance(self.name, str) and bool(self.name), self, "name must be a non-empty string")
-    _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
-    # Three consumer warpgroups pass interpret mode but are not validated on
-    # a GPU: probe1.jsonl (h200_2026-11-30b) reports "DIFFERENT" for them, but
-    # that probe compared whole [n_local, n_pad] arrays and 192 rows per CTA
-    # pads M=4096 to 4224 rows, so the shapes alone differed (fixed in
-    # benchmarks/experiments/probe_kernel.py since); whether the bytes match is unknown.
-    _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
-    _require(_is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1, self,
-             f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}")
-    _require(_is_int(self.ctas_per_sm) and self.ctas_per_sm >= 1, self,
-             f"ctas_per_sm must be a positive int, got {self.ctas_per_sm}")
-    _require(_is_int(self.split_group) and self.split_group >= 0, self,
-             f"split_group must be an int >= 0, got {self.split_group}")
+    def __post_init__(self):
+        if type(self) is ForwardConfig:
+            raise TypeError("ForwardConfig is the shared part; build a WgmmaForwardConfig or a WsForwardConfig")
+        _require(isinstance(self.name, str) and bool(self.name), self, "name must be a non-empty string")
+        _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
+        # Three consumer warpgroups pass interpret mode but are not validated on
+        # a GPU: probe1.jsonl (h200_2026-11-30b) reports "DIFFERENT" for them, but
+        # that probe compared whole [n_local, n_pad] arrays and 192 rows per CTA
+        # pads M=4096 to 4224 rows, so the shapes alone differed (fixed in
+        # benchmarks/experiments/probe_kernel.py since); whether the bytes match is unknown.
+        _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+        _require(
+            _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
+            self,
+            f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}",
+        )
+        _require(
+            _is_int(self.ctas_per_sm) and self.ctas_per_sm >= 1,
+            self,
+            f"ctas_per_sm must be a positive int, got {self.ctas_per_sm}",
+        )
+        _require(
+            _is_int(self.split_group) and self.split_group >= 0,
+            self,
+            f"split_group must be an int >= 0, got {self.split_group}",
+        )
 
-  @property
-  def cta_rows(self) -> int:
-    return self.block_m * self.num_compute_wgs
+    @property
+    def cta_rows(self) -> int:
+        return self.block_m * self.num_compute_wgs
 
-  @property
-  def ctas_per_cluster(self) -> int:
-    return 1
+    @property
+    def ctas_per_cluster(self) -> int:
+        return 1
 
-  @property
-  def row_quantum(self) -> int:
-    """Rows the kernel's input is padded to a multiple of (a cluster's row blocks)."""
-    return self.cta_rows * self.ctas_per_cluster
+    @property
+    def row_quantum(self) -> int:
+        """Rows the kernel's input is padded to a multiple of (a cluster's row blocks)."""
+        return self.cta_rows * self.ctas_per_cluster
 
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaForwardConfig(ForwardConfig):
-  """The chain-in-wgmma forward kernel (`sm90_forward_wgmma`)."""
+    """The chain-in-wgmma forward kernel (`sm90_forward_wgmma`)."""
 
-  delay_release: int = 0  # 1: wgmma_wait(1) and release the pipeline slot one step later
-  logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
+    delay_release: int = 0  # 1: wgmma_wait(1) and release the pipeline slot one step later
+    logits_slots: int = 2  # serving entry: SMEM staging tiles per consumer warpgroup
 
-  def __post_init__(self):
-    super().__post_init__()
-    _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
-    _require(_is_int(self.logits_slots) and self.logits_slots >= 1, self,
-             f"logits_slots must be a positive int, got {self.logits_slots}")
+    def __post_init__(self):
+        super().__post_init__()
+        _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
+        _require(
+            _is_int(self.logits_slots) and self.logits_slots >= 1,
+            self,
+            f"logits_slots must be a positive int, got {self.logits_slots}",
+        )
 
 
 # Registers per thread (setmaxnreg bounds) a wgmma warpgroup may ask for.
@@ -128,94 +140,119 @@ MIN_REGISTERS, MAX_REGISTERS = 24, 232
 
 @dataclasses.dataclass(frozen=True)
 class WsForwardConfig(ForwardConfig):
-  """The forward kernel with dedicated epilogue warpgroups (`sm90_forward_ws`)."""
+    """The forward kernel with dedicated epilogue warpgroups (`sm90_forward_ws`)."""
 
-  epilogue_wgs: int = 1  # warpgroups running the chain (num_compute_wgs must be a multiple of it)
-  mma_registers: int = 0  # registers per wgmma-warpgroup thread (0: auto)
-  epilogue_slices: int = 2  # 8-column slices per step of the chain's exp loop
-  tile_k: int = 64  # K slice per pipeline stage (64: 128B swizzle, 32: 64B)
-  auto_barriers: bool = False  # keep Pallas's automatic warpgroup barriers (timing only)
-  cluster: int = 1  # CTAs per cluster sharing each weight K slice by TMA multicast
+    epilogue_wgs: int = 1  # warpgroups running the chain (num_compute_wgs must be a multiple of it)
+    mma_registers: int = 0  # registers per wgmma-warpgroup thread (0: auto)
+    epilogue_slices: int = 2  # 8-column slices per step of the chain's exp loop
+    tile_k: int = 64  # K slice per pipeline stage (64: 128B swizzle, 32: 64B)
+    auto_barriers: bool = False  # keep Pallas's automatic warpgroup barriers (timing only)
+    cluster: int = 1  # CTAs per cluster sharing each weight K slice by TMA multicast
 
-  def __post_init__(self):
-    super().__post_init__()
-    _require(self.epilogue_wgs in (1, 2) and self.num_compute_wgs % self.epilogue_wgs == 0, self,
-             f"need 1 or 2 epilogue warpgroups, num_compute_wgs ({self.num_compute_wgs}) a multiple of them; "
-             f"got {self.epilogue_wgs}")
-    _require(self.mma_registers == 0 or (_is_int(self.mma_registers) and self.mma_registers % 8 == 0
-                                         and MIN_REGISTERS <= self.mma_registers <= MAX_REGISTERS), self,
-             f"mma_registers must be 0 or a multiple of 8 in [{MIN_REGISTERS}, {MAX_REGISTERS}], "
-             f"got {self.mma_registers}")
-    _require(self.epilogue_slices in (1, 2, 4, 8), self,
-             f"epilogue_slices must be 1, 2, 4 or 8, got {self.epilogue_slices}")
-    _require(self.tile_k in (32, 64), self, f"tile_k must be 32 or 64, got {self.tile_k}")
-    _require(isinstance(self.auto_barriers, bool), self, f"auto_barriers must be a bool, got {self.auto_barriers}")
-    _require(self.cluster in (1, 2), self, f"cluster must be 1 or 2, got {self.cluster}")
+    def __post_init__(self):
+        super().__post_init__()
+        _require(
+            self.epilogue_wgs in (1, 2) and self.num_compute_wgs % self.epilogue_wgs == 0,
+            self,
+            f"need 1 or 2 epilogue warpgroups, num_compute_wgs ({self.num_compute_wgs}) a multiple of them; "
+            f"got {self.epilogue_wgs}",
+        )
+        _require(
+            self.mma_registers == 0
+            or (
+                _is_int(self.mma_registers)
+                and self.mma_registers % 8 == 0
+                and MIN_REGISTERS <= self.mma_registers <= MAX_REGISTERS
+            ),
+            self,
+            f"mma_registers must be 0 or a multiple of 8 in [{MIN_REGISTERS}, {MAX_REGISTERS}], "
+            f"got {self.mma_registers}",
+        )
+        _require(
+            self.epilogue_slices in (1, 2, 4, 8),
+            self,
+            f"epilogue_slices must be 1, 2, 4 or 8, got {self.epilogue_slices}",
+        )
+        _require(self.tile_k in (32, 64), self, f"tile_k must be 32 or 64, got {self.tile_k}")
+        _require(isinstance(self.auto_barriers, bool), self, f"auto_barriers must be a bool, got {self.auto_barriers}")
+        _require(self.cluster in (1, 2), self, f"cluster must be 1 or 2, got {self.cluster}")
 
-  @property
-  def ctas_per_cluster(self) -> int:
-    return self.cluster
+    @property
+    def ctas_per_cluster(self) -> int:
+        return self.cluster
 
 
 @dataclasses.dataclass(frozen=True)
 class FoldConfig:
-  """The split fold (`sm90_fold`); every field is bit-neutral (see its module docstring)."""
+    """The split fold (`sm90_fold`); every field is bit-neutral (see its module docstring)."""
 
-  staged: bool = True  # all partials of a CTA's rows in SMEM (else one row per thread, 128 rows per CTA)
-  rows: int = 32  # staged: rows per CTA (32 or 64)
-  chunk: int = 64  # staged: splits per TMA copy (a multiple of 128 / rows in (0, 256]; raised to
-  # ceil(n_split / 32) at least)
-  unroll: int | None = None  # splits per loop trip (staged: of the chain, 32; else of both passes, 8)
+    staged: bool = True  # all partials of a CTA's rows in SMEM (else one row per thread, 128 rows per CTA)
+    rows: int = 32  # staged: rows per CTA (32 or 64)
+    chunk: int = 64  # staged: splits per TMA copy (a multiple of 128 / rows in (0, 256]; raised to
+    # ceil(n_split / 32) at least)
+    unroll: int | None = None  # splits per loop trip (staged: of the chain, 32; else of both passes, 8)
 
-  def __post_init__(self):
-    _require(isinstance(self.staged, bool), self, f"staged must be a bool, got {self.staged}")
-    # rows * 4 bytes per TMA row must be a multiple of 128 (the per-thread
-    # arrival split of Pallas' TMA), and rows = 128 would not fit in SMEM.
-    _require(self.rows in (32, 64), self, f"rows must be 32 or 64, got {self.rows}")
-    g_n = 128 // self.rows
-    _require(_is_int(self.chunk) and self.chunk % g_n == 0 and 0 < self.chunk <= 256, self,
-             f"chunk must be a multiple of {g_n} in (0, 256], got {self.chunk}")
-    _require(self.unroll is None or (_is_int(self.unroll) and self.unroll >= 1), self,
-             f"unroll must be None or >= 1, got {self.unroll}")
+    def __post_init__(self):
+        _require(isinstance(self.staged, bool), self, f"staged must be a bool, got {self.staged}")
+        # rows * 4 bytes per TMA row must be a multiple of 128 (the per-thread
+        # arrival split of Pallas' TMA), and rows = 128 would not fit in SMEM.
+        _require(self.rows in (32, 64), self, f"rows must be 32 or 64, got {self.rows}")
+        g_n = 128 // self.rows
+        _require(
+            _is_int(self.chunk) and self.chunk % g_n == 0 and 0 < self.chunk <= 256,
+            self,
+            f"chunk must be a multiple of {g_n} in (0, 256], got {self.chunk}",
+        )
+        _require(
+            self.unroll is None or (_is_int(self.unroll) and self.unroll >= 1),
+            self,
+            f"unroll must be None or >= 1, got {self.unroll}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class DzConfig:
-  """The backward's dz kernel (`sm90_dz`)."""
+    """The backward's dz kernel (`sm90_dz`)."""
 
-  block_m: int = 64  # rows per consumer warpgroup
-  num_compute_wgs: int = 2  # consumer warpgroups per CTA
-  block_n: int = 256  # columns per work item (wgmma N); chunks must be a multiple of it
-  max_concurrent_steps: int = 4  # pipeline depth
-  col_group: int = 4  # work order: column blocks in groups of this, row blocks fastest inside
+    block_m: int = 64  # rows per consumer warpgroup
+    num_compute_wgs: int = 2  # consumer warpgroups per CTA
+    block_n: int = 256  # columns per work item (wgmma N); chunks must be a multiple of it
+    max_concurrent_steps: int = 4  # pipeline depth
+    col_group: int = 4  # work order: column blocks in groups of this, row blocks fastest inside
 
-  def __post_init__(self):
-    _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
-    _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
-    _require(self.block_n in (64, 128, 192, 256), self, f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
-    _require(_is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1, self,
-             f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}")
-    _require(_is_int(self.col_group) and self.col_group >= 0, self,
-             f"col_group must be an int >= 0, got {self.col_group}")
+    def __post_init__(self):
+        _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
+        _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+        _require(self.block_n in (64, 128, 192, 256), self, f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
+        _require(
+            _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
+            self,
+            f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}",
+        )
+        _require(
+            _is_int(self.col_group) and self.col_group >= 0,
+            self,
+            f"col_group must be an int >= 0, got {self.col_group}",
+        )
 
-  @property
-  def rows_per_cta(self) -> int:
-    """Callers pad rows to a multiple of this."""
-    return self.block_m * self.num_compute_wgs
+    @property
+    def rows_per_cta(self) -> int:
+        """Callers pad rows to a multiple of this."""
+        return self.block_m * self.num_compute_wgs
 
 
 def padded_rows(n_rows: int, cfg: ForwardConfig) -> int:
-  """Rows of the padded operands for n_rows real rows (at least one row block per cluster CTA)."""
-  q = cfg.row_quantum
-  return max(-(-n_rows // q), 1) * q
+    """Rows of the padded operands for n_rows real rows (at least one row block per cluster CTA)."""
+    q = cfg.row_quantum
+    return max(-(-n_rows // q), 1) * q
 
 
 def persistent_ctas(n_pad: int, n_local: int, cfg: ForwardConfig, max_ctas: int) -> int:
-  """Persistent CTA count: one per work item, at most max_ctas (e.g. SMs * ctas_per_sm),
-  rounded down to whole clusters (at least one)."""
-  work = (n_pad // cfg.cta_rows) * n_local
-  cl = cfg.ctas_per_cluster
-  return max(cl, min(max_ctas, work) // cl * cl)
+    """Persistent CTA count: one per work item, at most max_ctas (e.g. SMs * ctas_per_sm),
+    rounded down to whole clusters (at least one)."""
+    work = (n_pad // cfg.cta_rows) * n_local
+    cl = cfg.ctas_per_cluster
+    return max(cl, min(max_ctas, work) // cl * cl)
 
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).
@@ -227,8 +264,9 @@ BUCKETS: dict[str, ForwardConfig] = {
     # (H200, kernel-only, M = 1/8/64: 0.304/0.305/0.305 ms vs 0.332/0.327/0.331 ms
     # with the chain in the wgmma warpgroup at 6 stages;
     # benchmarks/results/h200_2026-11-30d/probe_decode_ws.jsonl).
-    "decode": WsForwardConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5, ctas_per_sm=1,
-                              epilogue_wgs=1),
+    "decode": WsForwardConfig(
+        "decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5, ctas_per_sm=1, epilogue_wgs=1
+    ),
     # Two consumer warpgroups, 64 rows each, the chain between tile groups (sm90_forward_wgmma).
     "small": WgmmaForwardConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
     # Large M: 2 x 64 rows per CTA in two wgmma warpgroups plus one dedicated
@@ -238,8 +276,9 @@ BUCKETS: dict[str, ForwardConfig] = {
     # M=16384 31.2 vs 35.3 ms for the chain in the wgmma warpgroups;
     # benchmarks/results/h200_2026-11-30c/probe_ws3.jsonl). Work items in groups
     # of 4 splits so the CTAs running at once share hidden rows in L2.
-    "prefill": WsForwardConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3, ctas_per_sm=1,
-                               split_group=4, epilogue_wgs=1),
+    "prefill": WsForwardConfig(
+        "prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3, ctas_per_sm=1, split_group=4, epilogue_wgs=1
+    ),
 }
 
 # The fold's and the dz kernel's shipped configs.
@@ -256,25 +295,25 @@ SMEM_LIMIT = 224 * 1024
 
 
 def logits_staging_bytes(cfg: WgmmaForwardConfig) -> int:
-  """SMEM of the chain-in-wgmma kernel's serving-entry FP32 logits staging tiles (64 x 64 f32 each)."""
-  return cfg.num_compute_wgs * cfg.logits_slots * cfg.block_m * 64 * 4
+    """SMEM of the chain-in-wgmma kernel's serving-entry FP32 logits staging tiles (64 x 64 f32 each)."""
+    return cfg.num_compute_wgs * cfg.logits_slots * cfg.block_m * 64 * 4
 
 
 def accumulator_copy_bytes(cfg: ForwardConfig, tiles_per_group: int) -> int:
-  """SMEM holding one copy of every wgmma warpgroup's accumulator [block_m, 64 w] f32
-  (the hand-off buffers of `sm90_forward_ws`)."""
-  return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
+    """SMEM holding one copy of every wgmma warpgroup's accumulator [block_m, 64 w] f32
+    (the hand-off buffers of `sm90_forward_ws`)."""
+    return cfg.num_compute_wgs * cfg.block_m * 64 * tiles_per_group * 4
 
 
 def stage_bytes(cfg: ForwardConfig, tiles_per_group: int, tile_k: int = 64) -> int:
-  """SMEM of one pipeline stage: the K slice of the CTA's hidden rows and of a tile group's weight rows (bf16)."""
-  return (cfg.cta_rows + 64 * tiles_per_group) * tile_k * 2
+    """SMEM of one pipeline stage: the K slice of the CTA's hidden rows and of a tile group's weight rows (bf16)."""
+    return (cfg.cta_rows + 64 * tiles_per_group) * tile_k * 2
 
 
 def pipeline_stages(cfg: ForwardConfig, tiles_per_group: int, tile_k: int = 64, extra_smem: int = 0) -> int:
-  """Pipeline depth that fits the SMEM budget next to `extra_smem` bytes (bit-neutral), at least 2."""
-  budget = min(PIPELINE_SMEM_BUDGET, SMEM_LIMIT - extra_smem)
-  return max(2, min(cfg.max_concurrent_steps, budget // stage_bytes(cfg, tiles_per_group, tile_k)))
+    """Pipeline depth that fits the SMEM budget next to `extra_smem` bytes (bit-neutral), at least 2."""
+    budget = min(PIPELINE_SMEM_BUDGET, SMEM_LIMIT - extra_smem)
+    return max(2, min(cfg.max_concurrent_steps, budget // stage_bytes(cfg, tiles_per_group, tile_k)))
 
 
 # Upper bounds (inclusive) of M per bucket, in order.
@@ -282,62 +321,78 @@ BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (512, "small"), (1 
 
 
 def select_bucket(n_rows: int, bucket: "str | ForwardConfig | None" = None) -> ForwardConfig:
-  """The launch config for `n_rows` rows, or the forced `bucket` (a name or, for
-  experiments, a `WgmmaForwardConfig` / `WsForwardConfig`)."""
-  if isinstance(bucket, ForwardConfig):
-    return bucket
-  if bucket is not None and not isinstance(bucket, str):
-    raise TypeError(f"bucket must be a bucket name or a WgmmaForwardConfig / WsForwardConfig, got {bucket!r}")
-  if bucket is not None:
-    if bucket not in BUCKETS:
-      raise ValueError(f"unknown bucket {bucket!r}; known: {sorted(BUCKETS)}")
-    return BUCKETS[bucket]
-  for upper, name in BUCKET_TABLE:
-    if n_rows <= upper:
-      return BUCKETS[name]
-  raise AssertionError("unreachable")
+    """The launch config for `n_rows` rows, or the forced `bucket` (a name or, for
+    experiments, a `WgmmaForwardConfig` / `WsForwardConfig`)."""
+    if isinstance(bucket, ForwardConfig):
+        return bucket
+    if bucket is not None and not isinstance(bucket, str):
+        raise TypeError(f"bucket must be a bucket name or a WgmmaForwardConfig / WsForwardConfig, got {bucket!r}")
+    if bucket is not None:
+        if bucket not in BUCKETS:
+            raise ValueError(f"unknown bucket {bucket!r}; known: {sorted(BUCKETS)}")
+        return BUCKETS[bucket]
+    for upper, name in BUCKET_TABLE:
+        if n_rows <= upper:
+            return BUCKETS[name]
+    raise AssertionError("unreachable")
 
 
 def tiles_per_group(split_sizes: tuple[int, ...]) -> int:
-  """wgmma N width (in 64-col tiles) for splits of the given tile counts.
+    """wgmma N width (in 64-col tiles) for splits of the given tile counts.
 
-  A function of the split plan only. Chooses the w <= 4 that minimises the
-  number of (padded) tiles computed per split, preferring wider groups
-  (fewer epilogues, better operand reuse) on ties. Qwen3 (9-tile splits) -> 3.
-  """
-  biggest = max(split_sizes)
-  best = None
-  for w in range(1, MAX_TILES_PER_GROUP + 1):
-    groups = math.ceil(biggest / w)
-    waste = groups * w - min(split_sizes)
-    key = (groups * w, waste, -w)
-    if best is None or key < best[0]:
-      best = (key, w)
-  return best[1]
+    A function of the split plan only. Chooses the w <= 4 that minimises the
+    number of (padded) tiles computed per split, preferring wider groups
+    (fewer epilogues, better operand reuse) on ties. Qwen3 (9-tile splits) -> 3.
+    """
+    biggest = max(split_sizes)
+    best = None
+    for w in range(1, MAX_TILES_PER_GROUP + 1):
+        groups = math.ceil(biggest / w)
+        waste = groups * w - min(split_sizes)
+        key = (groups * w, waste, -w)
+        if best is None or key < best[0]:
+            best = (key, w)
+    return best[1]
 
 
 def default_num_sms() -> int:
-  """SM count of the default device (132 on H200); a placeholder on CPU."""
-  try:
-    import jax
+    """SM count of the default device (132 on H200); a placeholder on CPU."""
+    try:
+        import jax
 
-    dev = jax.devices()[0]
-    if dev.platform == "gpu":
-      return int(getattr(dev, "core_count", 132) or 132)
-  except Exception:  # pragma: no cover
-    pass
-  return 132
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", 132) or 132)
+    except Exception:  # pragma: no cover
+        pass
+    return 132
 
 
 def describe(cfg) -> str:
-  """The kernel and every field of the config (so probe records and ladder reports name each knob)."""
-  fields = " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg) if f.name != "name")
-  rows = f" rows/CTA={cfg.cta_rows}" if isinstance(cfg, ForwardConfig) else ""
-  return f"{getattr(cfg, 'name', type(cfg).__name__)} ({type(cfg).__name__}):{rows} {fields}"
+    """The kernel and every field of the config (so probe records and ladder reports name each knob)."""
+    fields = " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg) if f.name != "name")
+    rows = f" rows/CTA={cfg.cta_rows}" if isinstance(cfg, ForwardConfig) else ""
+    return f"{getattr(cfg, 'name', type(cfg).__name__)} ({type(cfg).__name__}):{rows} {fields}"
 
 
 __all__ = [
-    "ForwardConfig", "WgmmaForwardConfig", "WsForwardConfig", "FoldConfig", "DzConfig", "BUCKETS", "BUCKET_TABLE",
-    "FOLD", "DZ", "select_bucket", "tiles_per_group", "padded_rows", "persistent_ctas", "pipeline_stages",
-    "stage_bytes", "logits_staging_bytes", "accumulator_copy_bytes", "default_num_sms", "describe",
+    "ForwardConfig",
+    "WgmmaForwardConfig",
+    "WsForwardConfig",
+    "FoldConfig",
+    "DzConfig",
+    "BUCKETS",
+    "BUCKET_TABLE",
+    "FOLD",
+    "DZ",
+    "select_bucket",
+    "tiles_per_group",
+    "padded_rows",
+    "persistent_ctas",
+    "pipeline_stages",
+    "stage_bytes",
+    "logits_staging_bytes",
+    "accumulator_copy_bytes",
+    "default_num_sms",
+    "describe",
 ]

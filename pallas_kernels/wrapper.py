@@ -23,60 +23,73 @@ import jax.numpy as jnp
 import numpy as np
 
 from detlogp_jax import contract as C
-from pallas_kernels import common, sm90_forward_ws, sm90_forward_wgmma, tuning
+from pallas_kernels import common, sm90_forward_wgmma, sm90_forward_ws, tuning
 from pallas_kernels.common import F32, TILE, TILE_K
 
-_STATIC = ("n_pad", "d", "lg_cols", "geom", "cfg", "has_bias", "return_logits", "num_ctas", "interpret",
-           "interpret_params", "lg_rows")
+_STATIC = (
+    "n_pad",
+    "d",
+    "lg_cols",
+    "geom",
+    "cfg",
+    "has_bias",
+    "return_logits",
+    "num_ctas",
+    "interpret",
+    "interpret_params",
+    "lg_rows",
+)
 
 
 def _kernel_module(cfg: tuning.ForwardConfig):
-  """The kernel module whose `build` takes this config."""
-  if isinstance(cfg, tuning.WsForwardConfig):
-    return sm90_forward_ws
-  if isinstance(cfg, tuning.WgmmaForwardConfig):
-    return sm90_forward_wgmma
-  raise TypeError(f"not a forward kernel config: {cfg!r}")
+    """The kernel module whose `build` takes this config."""
+    if isinstance(cfg, tuning.WsForwardConfig):
+        return sm90_forward_ws
+    if isinstance(cfg, tuning.WgmmaForwardConfig):
+        return sm90_forward_wgmma
+    raise TypeError(f"not a forward kernel config: {cfg!r}")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _forward_core(*args, cfg, **static):
-  """The kernel launch, jitted on the padded row count: eager callers with
-  different N that pad to the same row blocks share one compiled kernel."""
-  return _kernel_module(cfg).build(cfg=cfg, **static)(*args)
+    """The kernel launch, jitted on the padded row count: eager callers with
+    different N that pad to the same row blocks share one compiled kernel."""
+    return _kernel_module(cfg).build(cfg=cfg, **static)(*args)
 
 
 def unsupported(hidden, weight) -> str | None:
-  """Why these kernels cannot take these operands (shapes/dtypes only), or None."""
-  if getattr(hidden, "ndim", None) != 2 or getattr(weight, "ndim", None) != 2:
-    return f"hidden must be [N, D] and weight [V, D], got {hidden.shape}, {weight.shape}"
-  if hidden.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
-    return (f"pallas_sm90 supports bf16 hidden and weight only (got {hidden.dtype}, {weight.dtype}); "
-            "route other dtypes to the reference backend")
-  d = hidden.shape[1]
-  if weight.shape[1] != d:
-    return f"hidden size mismatch: hidden {hidden.shape} vs weight {weight.shape}"
-  if d % TILE_K or d == 0:
-    return f"pallas_sm90 needs the hidden size D to be a positive multiple of {TILE_K}, got {d}"
-  return None
+    """Why these kernels cannot take these operands (shapes/dtypes only), or None."""
+    if getattr(hidden, "ndim", None) != 2 or getattr(weight, "ndim", None) != 2:
+        return f"hidden must be [N, D] and weight [V, D], got {hidden.shape}, {weight.shape}"
+    if hidden.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
+        return (
+            f"pallas_sm90 supports bf16 hidden and weight only (got {hidden.dtype}, {weight.dtype}); "
+            "route other dtypes to the reference backend"
+        )
+    d = hidden.shape[1]
+    if weight.shape[1] != d:
+        return f"hidden size mismatch: hidden {hidden.shape} vs weight {weight.shape}"
+    if d % TILE_K or d == 0:
+        return f"pallas_sm90 needs the hidden size D to be a positive multiple of {TILE_K}, got {d}"
+    return None
 
 
 def _check_inputs(hidden, weight, bias, targets, inv_t):
-  why = unsupported(hidden, weight)
-  if why:
-    raise ValueError(why)
-  n = hidden.shape[0]
-  if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
-    raise ValueError(f"bias must be [{weight.shape[0]}], got {bias.shape}")
-  if targets.shape != (n,) or inv_t.shape != (n,):
-    raise ValueError(f"targets and inv_t must be [{n}], got {targets.shape}, {inv_t.shape}")
+    why = unsupported(hidden, weight)
+    if why:
+        raise ValueError(why)
+    n = hidden.shape[0]
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {bias.shape}")
+    if targets.shape != (n,) or inv_t.shape != (n,):
+        raise ValueError(f"targets and inv_t must be [{n}], got {targets.shape}, {inv_t.shape}")
 
 
 def _pad_rows(x, rows, value=0):
-  pad = rows - x.shape[0]
-  if pad == 0:
-    return x
-  return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+    pad = rows - x.shape[0]
+    if pad == 0:
+        return x
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
 def partials(
@@ -97,103 +110,112 @@ def partials(
     interpret: bool = False,
     interpret_params=None,
 ):
-  """Per-split LSE partials of z = hidden @ weight.T (+ bias) for the local shard.
+    """Per-split LSE partials of z = hidden @ weight.T (+ bias) for the local shard.
 
-  Args:
-    hidden: [N, D] bf16. weight: [Vl, D] bf16, row r is global column
-      col_offset + r; Vl may be smaller than the shard width (rows past Vl
-      read as zero through TMA out-of-bounds fill and are padding lanes
-      anyway, since they must lie at or past vocab_size).
-    bias: [Vl] f32 or None. targets: [N] int32 global vocab ids (-100 ignore).
-    inv_t: [N] f32, fl(1/T) per row.
-    vocab_size / padded_vocab_size: the real and the canonical padded vocab;
-      the split plan is `contract.split_bounds(padded_vocab_size)`.
-    col_offset, shard_cols: the local shard [col_offset, col_offset +
-      shard_cols) (defaults to the whole padded vocab); its edges must be
-      split edges (`ContractError` otherwise).
-    return_logits: also return the FP32 unscaled, post-bias logits [N, Vl]
-      from the same accumulator (the partials are bitwise the same).
-    logits_cols: return only the first logits_cols logits columns ([N,
-      logits_cols]; e.g. the real vocabulary of an unsharded head). When it is
-      a multiple of 8 the kernel writes that width directly (no [N, Vl] buffer
-      and no slicing copy of it); otherwise the full width is sliced.
-    bucket: force a launch bucket of `tuning.BUCKETS` (bit-neutral; a
-      `tuning.WgmmaForwardConfig` or `tuning.WsForwardConfig` is accepted for
-      experiments).
-    num_ctas: force the persistent CTA count (bit-neutral).
-    interpret: run under `plgpu.InterpretGPUParams` on CPU.
+    Args:
+      hidden: [N, D] bf16. weight: [Vl, D] bf16, row r is global column
+        col_offset + r; Vl may be smaller than the shard width (rows past Vl
+        read as zero through TMA out-of-bounds fill and are padding lanes
+        anyway, since they must lie at or past vocab_size).
+      bias: [Vl] f32 or None. targets: [N] int32 global vocab ids (-100 ignore).
+      inv_t: [N] f32, fl(1/T) per row.
+      vocab_size / padded_vocab_size: the real and the canonical padded vocab;
+        the split plan is `contract.split_bounds(padded_vocab_size)`.
+      col_offset, shard_cols: the local shard [col_offset, col_offset +
+        shard_cols) (defaults to the whole padded vocab); its edges must be
+        split edges (`ContractError` otherwise).
+      return_logits: also return the FP32 unscaled, post-bias logits [N, Vl]
+        from the same accumulator (the partials are bitwise the same).
+      logits_cols: return only the first logits_cols logits columns ([N,
+        logits_cols]; e.g. the real vocabulary of an unsharded head). When it is
+        a multiple of 8 the kernel writes that width directly (no [N, Vl] buffer
+        and no slicing copy of it); otherwise the full width is sliced.
+      bucket: force a launch bucket of `tuning.BUCKETS` (bit-neutral; a
+        `tuning.WgmmaForwardConfig` or `tuning.WsForwardConfig` is accepted for
+        experiments).
+      num_ctas: force the persistent CTA count (bit-neutral).
+      interpret: run under `plgpu.InterpretGPUParams` on CPU.
 
-  Returns:
-    (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
-     logits [N, Vl] f32 or None). z_t is the raw target logit captured by
-    the one tile owning the target (0 where `owned` is False).
-  """
-  hidden = jnp.asarray(hidden)
-  weight = jnp.asarray(weight)
-  targets = jnp.asarray(targets).astype(jnp.int32)
-  inv_t = jnp.asarray(inv_t, F32)
-  if bias is not None:
-    bias = jnp.asarray(bias, F32)
-  _check_inputs(hidden, weight, bias, targets, inv_t)
-  geom = common.shard_geometry(vocab_size, padded_vocab_size, col_offset, shard_cols)
-  n, d = hidden.shape
-  v_rows = weight.shape[0]
-  shard_end = geom.col_offset + geom.shard_cols
-  if v_rows > geom.shard_cols:
-    raise ValueError(f"weight has {v_rows} rows but the shard has only {geom.shard_cols} columns")
-  if geom.col_offset + v_rows < min(geom.vocab_size, shard_end):
-    raise ValueError(
-        f"weight rows [{geom.col_offset}, {geom.col_offset + v_rows}) do not cover the real vocabulary "
-        f"columns of the shard (vocab_size={geom.vocab_size})"
+    Returns:
+      (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
+       logits [N, Vl] f32 or None). z_t is the raw target logit captured by
+      the one tile owning the target (0 where `owned` is False).
+    """
+    hidden = jnp.asarray(hidden)
+    weight = jnp.asarray(weight)
+    targets = jnp.asarray(targets).astype(jnp.int32)
+    inv_t = jnp.asarray(inv_t, F32)
+    if bias is not None:
+        bias = jnp.asarray(bias, F32)
+    _check_inputs(hidden, weight, bias, targets, inv_t)
+    geom = common.shard_geometry(vocab_size, padded_vocab_size, col_offset, shard_cols)
+    n, d = hidden.shape
+    v_rows = weight.shape[0]
+    shard_end = geom.col_offset + geom.shard_cols
+    if v_rows > geom.shard_cols:
+        raise ValueError(f"weight has {v_rows} rows but the shard has only {geom.shard_cols} columns")
+    if geom.col_offset + v_rows < min(geom.vocab_size, shard_end):
+        raise ValueError(
+            f"weight rows [{geom.col_offset}, {geom.col_offset + v_rows}) do not cover the real vocabulary "
+            f"columns of the shard (vocab_size={geom.vocab_size})"
+        )
+    # TMA views the weight as 8-row tiles: a row count that is not a multiple
+    # of 8 needs a padded copy (rare: real vocabularies are multiples of 8).
+    v_rows8 = -(-v_rows // 8) * 8
+    if v_rows8 != v_rows:
+        weight = _pad_rows(weight, v_rows8)  # (bias is padded to the full width below)
+    cfg = tuning.select_bucket(n, bucket)
+    n_pad = tuning.padded_rows(n, cfg)
+    if num_ctas is None:
+        num_ctas = 2 if interpret else tuning.default_num_sms() * cfg.ctas_per_sm
+    num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, int(num_ctas))
+    local_tiles = -(-geom.shard_cols // TILE)
+    args = [_pad_rows(hidden, n_pad), weight]
+    if bias is not None:
+        width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE
+        args.append(jnp.pad(bias, (0, width - bias.shape[0])))
+    args += [_pad_rows(targets, n_pad, C.IGNORE_INDEX), _pad_rows(inv_t, n_pad, 1.0)]
+    # Logits rows: TMA clips rows past the array, but the array's row count
+    # must be a multiple of 8 (or < 8) for the tiled store.
+    lg_rows = n if (n % 8 == 0 or n < 8) else -(-n // 8) * 8
+    want_cols = v_rows if logits_cols is None else int(logits_cols)
+    if not 1 <= want_cols <= v_rows:
+        raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
+    # The kernel's logits width: TMA row strides and the staging swizzle need a multiple of 8.
+    lg_cols = want_cols if (return_logits and want_cols % 8 == 0) else v_rows8
+    outs = _forward_core(
+        *args,
+        n_pad=n_pad,
+        d=d,
+        lg_cols=lg_cols,
+        geom=geom,
+        cfg=cfg,
+        has_bias=bias is not None,
+        return_logits=return_logits,
+        num_ctas=num_ctas,
+        interpret=interpret,
+        interpret_params=interpret_params,
+        lg_rows=lg_rows,
     )
-  # TMA views the weight as 8-row tiles: a row count that is not a multiple
-  # of 8 needs a padded copy (rare: real vocabularies are multiples of 8).
-  v_rows8 = -(-v_rows // 8) * 8
-  if v_rows8 != v_rows:
-    weight = _pad_rows(weight, v_rows8)  # (bias is padded to the full width below)
-  cfg = tuning.select_bucket(n, bucket)
-  n_pad = tuning.padded_rows(n, cfg)
-  if num_ctas is None:
-    num_ctas = 2 if interpret else tuning.default_num_sms() * cfg.ctas_per_sm
-  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, int(num_ctas))
-  local_tiles = -(-geom.shard_cols // TILE)
-  args = [_pad_rows(hidden, n_pad), weight]
-  if bias is not None:
-    width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE
-    args.append(jnp.pad(bias, (0, width - bias.shape[0])))
-  args += [_pad_rows(targets, n_pad, C.IGNORE_INDEX), _pad_rows(inv_t, n_pad, 1.0)]
-  # Logits rows: TMA clips rows past the array, but the array's row count
-  # must be a multiple of 8 (or < 8) for the tiled store.
-  lg_rows = n if (n % 8 == 0 or n < 8) else -(-n // 8) * 8
-  want_cols = v_rows if logits_cols is None else int(logits_cols)
-  if not 1 <= want_cols <= v_rows:
-    raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
-  # The kernel's logits width: TMA row strides and the staging swizzle need a multiple of 8.
-  lg_cols = want_cols if (return_logits and want_cols % 8 == 0) else v_rows8
-  outs = _forward_core(
-      *args, n_pad=n_pad, d=d, lg_cols=lg_cols, geom=geom, cfg=cfg, has_bias=bias is not None,
-      return_logits=return_logits, num_ctas=num_ctas, interpret=interpret,
-      interpret_params=interpret_params, lg_rows=lg_rows,
-  )
-  m_t, s_t, zt_t = outs[:3]
-  logits = None
-  if return_logits:
-    logits = outs[3]
-    if logits.shape != (n, want_cols):
-      logits = logits[:n, :want_cols]
-  # Owner of each target: the local split holding its tile (a pure function
-  # of the target); z_t is selected from that split's capture (data movement).
-  tile_to_split = np.zeros((local_tiles,), np.int32)
-  for js, (s0, e0) in enumerate(zip(geom.local_starts, geom.local_ends)):
-    tile_to_split[s0 - geom.col_offset // TILE : e0 - geom.col_offset // TILE] = js
-  # As in the reference backend: a target is owned by the shard if its column
-  # has a weight row here (targets >= vocab_size that do are captured too;
-  # the fold turns them into NaN either way).
-  owned = (targets >= geom.col_offset) & (targets < geom.col_offset + v_rows)
-  local_tile = jnp.clip((targets - geom.col_offset) // TILE, 0, local_tiles - 1)
-  owner = jnp.asarray(tile_to_split)[local_tile]
-  z_t = jnp.where(owned, zt_t[owner, jnp.arange(n)], jnp.asarray(0.0, F32))
-  return m_t[:, :n].T, s_t[:, :n].T, z_t, owned, logits
+    m_t, s_t, zt_t = outs[:3]
+    logits = None
+    if return_logits:
+        logits = outs[3]
+        if logits.shape != (n, want_cols):
+            logits = logits[:n, :want_cols]
+    # Owner of each target: the local split holding its tile (a pure function
+    # of the target); z_t is selected from that split's capture (data movement).
+    tile_to_split = np.zeros((local_tiles,), np.int32)
+    for js, (s0, e0) in enumerate(zip(geom.local_starts, geom.local_ends)):
+        tile_to_split[s0 - geom.col_offset // TILE : e0 - geom.col_offset // TILE] = js
+    # As in the reference backend: a target is owned by the shard if its column
+    # has a weight row here (targets >= vocab_size that do are captured too;
+    # the fold turns them into NaN either way).
+    owned = (targets >= geom.col_offset) & (targets < geom.col_offset + v_rows)
+    local_tile = jnp.clip((targets - geom.col_offset) // TILE, 0, local_tiles - 1)
+    owner = jnp.asarray(tile_to_split)[local_tile]
+    z_t = jnp.where(owned, zt_t[owner, jnp.arange(n)], jnp.asarray(0.0, F32))
+    return m_t[:, :n].T, s_t[:, :n].T, z_t, owned, logits
 
 
 __all__ = ["partials", "unsupported"]

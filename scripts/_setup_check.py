@@ -1,17 +1,17 @@
 """Helper of scripts/_env.sh (stdlib + jax only; prints one line).
 
-    python scripts/_setup_check.py probe 0.11.2
-        Can this interpreter serve DETLOGP_PLATFORM=system on a GPU machine? Prints
-        "gpu <what it has>" when it imports jax == the given version and jax.devices()[0]
-        is a GPU, else "no <why not>". Always exits 0 (a crash reads as "no").
+python scripts/_setup_check.py probe 0.11.2
+    Can this interpreter serve DETLOGP_PLATFORM=system on a GPU machine? Prints
+    "gpu <what it has>" when it imports jax == the given version and jax.devices()[0]
+    is a GPU, else "no <why not>". Always exits 0 (a crash reads as "no").
 
-    python scripts/_setup_check.py check
-        The line printed before every run: Python, jax version and platform, devices, and the
-        backend `linear_logp` will use (`detlogp_jax.backends.preferred()`). Reads
-        DETLOGP_CHECK_PLATFORM (the resolved platform), DETLOGP_CHECK_WHERE (venv or system
-        interpreter, for messages), DETLOGP_CHECK_WANT_GPU ("1": fail unless jax sees a GPU),
-        DETLOGP_CHECK_DRIVER (nvidia-smi's driver version, or empty). Exit 0 with the line on
-        stdout; exit 3 with a one-line "error: ..." on stdout when the interpreter cannot serve.
+python scripts/_setup_check.py check
+    The line printed before every run: Python, jax version and platform, devices, and the
+    backend `linear_logp` will use (`detlogp_jax.backends.preferred()`). Reads
+    DETLOGP_CHECK_PLATFORM (the resolved platform), DETLOGP_CHECK_WHERE (venv or system
+    interpreter, for messages), DETLOGP_CHECK_WANT_GPU ("1": fail unless jax sees a GPU),
+    DETLOGP_CHECK_DRIVER (nvidia-smi's driver version, or empty). Exit 0 with the line on
+    stdout; exit 3 with a one-line "error: ..." on stdout when the interpreter cannot serve.
 """
 
 from __future__ import annotations
@@ -57,8 +57,11 @@ def check() -> int:
     want_gpu = os.environ.get("DETLOGP_CHECK_WANT_GPU") == "1"
     driver = os.environ.get("DETLOGP_CHECK_DRIVER", "")
     venv = setup != "system"
-    rebuild = f"remove the {where} and rerun to rebuild it" if venv else (
-        "install jax there, or unset DETLOGP_PLATFORM to let the setup build a venv")
+    rebuild = (
+        f"remove the {where} and rerun to rebuild it"
+        if venv
+        else ("install jax there, or unset DETLOGP_PLATFORM to let the setup build a venv")
+    )
 
     try:
         import jax
@@ -75,12 +78,16 @@ def check() -> int:
 
     if want_gpu and default != "gpu":
         if driver:
-            print(f"error: this machine has an NVIDIA GPU (driver {driver}) but jax in {where} "
-                  f"(platform {setup}) does not see it ({why}); fix the CUDA setup, or set "
-                  "DETLOGP_PLATFORM=cpu to run on CPU")
+            print(
+                f"error: this machine has an NVIDIA GPU (driver {driver}) but jax in {where} "
+                f"(platform {setup}) does not see it ({why}); fix the CUDA setup, or set "
+                "DETLOGP_PLATFORM=cpu to run on CPU"
+            )
         else:
-            print(f"error: DETLOGP_PLATFORM={setup} but jax in {where} sees no GPU ({why}; "
-                  "nvidia-smi finds none either); set DETLOGP_PLATFORM=cpu, or unset it for auto")
+            print(
+                f"error: DETLOGP_PLATFORM={setup} but jax in {where} sees no GPU ({why}; "
+                "nvidia-smi finds none either); set DETLOGP_PLATFORM=cpu, or unset it for auto"
+            )
         return 3
     if default is None:
         print(f"error: jax in {where} cannot start ({why}); {rebuild}")
@@ -99,8 +106,10 @@ def check() -> int:
     note = ""
     if getattr(jax, "__version__", "") != os.environ.get("DETLOGP_CHECK_JAX", jax.__version__):
         note = f" (warning: the locks pin jax {os.environ['DETLOGP_CHECK_JAX']})"
-    print(f"check: Python {platform.python_version()}, jax {jax.__version__}{note} on {default} "
-          f"({devs}), linear_logp backend {backend} [{setup}, {where}]")
+    print(
+        f"check: Python {platform.python_version()}, jax {jax.__version__}{note} on {default} "
+        f"({devs}), linear_logp backend {backend} [{setup}, {where}]"
+    )
     return 0
 
 

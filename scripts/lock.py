@@ -27,7 +27,10 @@ PLATFORM_TAG = "manylinux_2_27_x86_64"
 # pip does not widen an explicit --platform to older glibc tags, so name them all (2_27 down to 2_5,
 # and the legacy manylinux2014/2010/1 aliases of 2_17/2_12/2_5).
 PLATFORM_TAGS = [f"manylinux_2_{m}_x86_64" for m in range(27, 4, -1)] + [
-    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
+]
 PY_VERSION = "3.12"
 
 # Minimum NVIDIA driver per CUDA major, as stated by JAX's install guide (docs/installation.md,
@@ -54,10 +57,24 @@ def resolve(requirements: list[str]) -> tuple[dict[str, str], str]:
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         cmd = [
-            sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed",
-            "--only-binary=:all:", *(f"--platform={t}" for t in PLATFORM_TAGS), "--python-version", PY_VERSION,
-            "--implementation", "cp", "--target", os.path.join(tmp, "target"),
-            "--report", report, *requirements,
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--ignore-installed",
+            "--only-binary=:all:",
+            *(f"--platform={t}" for t in PLATFORM_TAGS),
+            "--python-version",
+            PY_VERSION,
+            "--implementation",
+            "cp",
+            "--target",
+            os.path.join(tmp, "target"),
+            "--report",
+            report,
+            *requirements,
         ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         data = json.load(open(report))
@@ -66,7 +83,7 @@ def resolve(requirements: list[str]) -> tuple[dict[str, str], str]:
 
 
 def render(platform: str, cpu: dict[str, str], pins: dict[str, str], pip_version: str) -> str:
-    cu = platform[len("cuda"):]
+    cu = platform[len("cuda") :]
     jax_v = cpu["jax"]
     cpu_names = {norm(n): n for n in cpu}
     drift = [n for n in pins if norm(n) in cpu_names and pins[n] != cpu[cpu_names[norm(n)]]]
@@ -105,7 +122,7 @@ def main() -> int:
         path = os.path.join(REQ, f"{platform}.lock")
         if args.check:
             old = open(path).read() if os.path.exists(path) else ""
-            strip = lambda s: [l for l in s.splitlines() if not l.startswith("#")]
+            strip = lambda s: [line for line in s.splitlines() if not line.startswith("#")]
             if strip(old) != strip(text):
                 print(f"{path}: differs from a fresh resolve", file=sys.stderr)
                 status = 1

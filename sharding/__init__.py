@@ -18,4 +18,11 @@ from sharding.tp import (
     tp_partials_and_fold,
 )
 
-from sharding.tp import __all__  # noqa: E402,F401  (one list of the public names)
+__all__ = [
+    "TPConfig",
+    "assemble_shards",
+    "check_tp_geometry",
+    "linear_logp_local",
+    "linear_logp_tp",
+    "tp_partials_and_fold",
+]

@@ -35,17 +35,16 @@ import math
 import numbers
 from typing import Any, Sequence
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from detlogp_jax import backends
+from detlogp_jax import backends, inputs, vma
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
-from detlogp_jax import inputs, vma
 from detlogp_jax.api import LogpOutput
 
 __all__ = [
@@ -135,9 +134,18 @@ def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offs
 
     def call(col_offset, h, w, b, t, it):
         return be.partials(
-            h, w, b, t, it,
-            vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
-            col_offset=col_offset, shard_cols=cfg.shard, return_logits=cfg.return_logits, **cfg.layout_kwargs(), **kw,
+            h,
+            w,
+            b,
+            t,
+            it,
+            vocab_size=cfg.vocab_size,
+            padded_vocab_size=cfg.padded_vocab_size,
+            col_offset=col_offset,
+            shard_cols=cfg.shard,
+            return_logits=cfg.return_logits,
+            **cfg.layout_kwargs(),
+            **kw,
         )
 
     ops = (hidden, weight, bias, targets, inv_t)
@@ -216,10 +224,20 @@ def tp_partials_and_fold(
     replicated over `axis_name`.
     """
     cfg, offset = _local_config(
-        hidden, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning,
+        hidden,
+        weight_shard,
+        axis_name,
+        vocab_size,
+        padded_vocab_size,
+        col_offset,
+        return_logits,
+        backend,
+        tuning,
         weight_layout,
     )
-    return _serve_local(hidden, weight_shard, bias_shard, targets.astype(jnp.int32), inv_t.astype(jnp.float32), offset, cfg)
+    return _serve_local(
+        hidden, weight_shard, bias_shard, targets.astype(jnp.int32), inv_t.astype(jnp.float32), offset, cfg
+    )
 
 
 # --- differentiable core (custom_vjp, evaluated inside shard_map) ------------------
@@ -252,7 +270,16 @@ def _local_backward(cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset,
     g_logp_eff = jnp.where(mine, g_logp, 0.0)
     vocab_loc = jnp.clip(cfg.vocab_size - off, 0, cfg.shard)
     return grad_lib.backward(
-        hidden, weight, bias, t_loc, inv_t, lse, g_logp_eff, g_lse_eff, g_logits, vocab_size=vocab_loc,
+        hidden,
+        weight,
+        bias,
+        t_loc,
+        inv_t,
+        lse,
+        g_logp_eff,
+        g_lse_eff,
+        g_logits,
+        vocab_size=vocab_loc,
         weight_layout=cfg.weight_layout,
     )
 
@@ -278,11 +305,23 @@ def _axis_size(axis_name) -> int:
     try:
         return int(lax.axis_size(axis_name))
     except Exception as e:  # not inside shard_map / unknown axis
-        raise ValueError(f"axis {axis_name!r} is not bound: call inside jax.shard_map over a mesh with that axis") from e
+        raise ValueError(
+            f"axis {axis_name!r} is not bound: call inside jax.shard_map over a mesh with that axis"
+        ) from e
 
 
-def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning,
-                  weight_layout="vd"):
+def _local_config(
+    hidden,
+    weight,
+    axis_name,
+    vocab_size,
+    padded_vocab_size,
+    col_offset,
+    return_logits,
+    backend,
+    tuning,
+    weight_layout="vd",
+):
     C.check_no_overrides(tuning)
     v_axis = inputs.vocab_axis(weight_layout)
     if vocab_size is None or padded_vocab_size is None:
@@ -302,7 +341,9 @@ def _local_config(hidden, weight, axis_name, vocab_size, padded_vocab_size, col_
     elif isinstance(col_offset, numbers.Integral) and not isinstance(col_offset, bool):
         static_offset = int(col_offset)
         if static_offset % shard or not 0 <= static_offset < tp * shard:
-            raise C.ContractError(f"col_offset {static_offset} is not a shard boundary (multiple of {shard} below {tp * shard})")
+            raise C.ContractError(
+                f"col_offset {static_offset} is not a shard boundary (multiple of {shard} below {tp * shard})"
+            )
         offset = jnp.int32(static_offset)
     else:
         offset = jnp.asarray(col_offset).astype(jnp.int32)
@@ -362,7 +403,15 @@ def linear_logp_local(
         raise ValueError(f"bias shard must have shape ({weight_shard.shape[v_axis]},), got {bias.shape}")
     h2 = hidden.reshape(n, hidden.shape[-1])
     cfg, offset = _local_config(
-        h2, weight_shard, axis_name, vocab_size, padded_vocab_size, col_offset, return_logits, backend, tuning,
+        h2,
+        weight_shard,
+        axis_name,
+        vocab_size,
+        padded_vocab_size,
+        col_offset,
+        return_logits,
+        backend,
+        tuning,
         weight_layout,
     )
     t2 = inputs.narrow_targets(targets.reshape(n), cfg.vocab_size)
@@ -480,7 +529,7 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
     has_gl = g_logits is not None
     row_mesh_axes = tuple(_mesh_axes_of(row_entries))
 
-    def body(h, w, t, it, l, gp, gs, *rest):
+    def body(h, w, t, it, lse_rows, gp, gs, *rest):
         rest = list(rest)
         gl = rest.pop(0) if has_gl else None
         b = rest.pop(0) if has_bias else None
@@ -488,8 +537,17 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
         n_lead = len(lead)
         offset = (lax.axis_index(cfg.axis_name) * cfg.shard).astype(jnp.int32)
         dh, dw, db = _local_backward(
-            cfg, _flat_rows(h, n_lead), w, b, t.reshape(-1), it.reshape(-1), offset, l.reshape(-1),
-            gp.reshape(-1), gs.reshape(-1), None if gl is None else _flat_rows(gl, n_lead),
+            cfg,
+            _flat_rows(h, n_lead),
+            w,
+            b,
+            t.reshape(-1),
+            it.reshape(-1),
+            offset,
+            lse_rows.reshape(-1),
+            gp.reshape(-1),
+            gs.reshape(-1),
+            None if gl is None else _flat_rows(gl, n_lead),
         )
         # hidden is replicated over TP: add the shards' contributions in
         # ascending rank order (identical bytes on every rank).
@@ -593,8 +651,9 @@ def linear_logp_tp(
     weight = jnp.asarray(weight) if isinstance(weight, np.ndarray) else weight
     bias = jnp.asarray(bias) if isinstance(bias, np.ndarray) else bias
     targets = jnp.asarray(targets) if isinstance(targets, (np.ndarray, list)) else targets
-    vocab, padded = inputs.validate(hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size,
-                                    weight_layout)
+    vocab, padded = inputs.validate(
+        hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size, weight_layout
+    )
     if padded != weight.shape[v_axis]:
         raise ValueError(
             f"weight rows ({weight.shape[v_axis]}) must equal padded_vocab_size ({padded}) under TP: the weight must "
@@ -643,7 +702,5 @@ def linear_logp_tp(
         bias = None if bias is None else put(bias, P(tp_axis))
         t = put(t, P(*row_entries))
         inv_t = put(inv_t, P(*row_entries))
-    logp, lse, logits = _tp_impl(
-        hidden, weight, bias, t, inv_t, cfg=cfg, mesh=mesh, row_entries=row_entries
-    )
+    logp, lse, logits = _tp_impl(hidden, weight, bias, t, inv_t, cfg=cfg, mesh=mesh, row_entries=row_entries)
     return LogpOutput(logp, lse, logits, prov)

@@ -1,36 +1,14 @@
-"""Shared test helpers: bitwise comparison means bytes."""
+"""pytest setup: the repository root on sys.path, GPU tests skipped without a Hopper GPU.
+Shared helpers live in tests/helpers.py."""
 
 import os
 import sys
 
-import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-
-
-def bits(x):
-    return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.uint32)
-
-
-def row_mismatches(a, b):
-    """(number of rows whose bytes differ, max_abs_diff over finite entries)."""
-    a = np.asarray(a, np.float32)
-    b = np.asarray(b, np.float32)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    diff = bits(a) != bits(b)
-    rows = diff.reshape(diff.shape[0], -1).any(axis=1).sum() if diff.ndim else int(diff)
-    with np.errstate(invalid="ignore"):
-        d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    d = d[np.isfinite(d)]
-    return int(rows), float(d.max()) if d.size else 0.0
-
-
-def assert_bitwise_equal(a, b, what=""):
-    rows, mad = row_mismatches(a, b)
-    assert rows == 0, f"{what}: {rows} rows differ in bytes, max_abs_diff={mad}"
 
 
 def _has_hopper():

@@ -48,7 +48,8 @@ def _maxdiff(a, b) -> float:
 def run() -> dict:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import detlogp_jax as dl
 
@@ -92,21 +93,29 @@ def run() -> dict:
         record(f"{kind}_one_axis_grad", lambda: jax.jit(grad_fn)(*args1))
         # a [D, V] kernel on the same mesh
         k = put(np.ascontiguousarray(w.T))
-        record(f"{kind}_dv_grad", lambda: _dv(jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True),
-                                                      static_argnums=(5,))(args[0], k, args[2], args[3], args[4], "dv")))
+        record(
+            f"{kind}_dv_grad",
+            lambda: _dv(
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=(5,))(
+                    args[0], k, args[2], args[3], args[4], "dv"
+                )
+            ),
+        )
 
     # A weight sharded over an Explicit axis: refused, pointing to linear_logp_tp.
     mesh = jax.make_mesh((8,), ("dp",))
     try:
         jax.jit(lambda h, w: dl.linear_logp(h, w, jnp.asarray(t.reshape(-1)), **kw).logp)(
             jax.device_put(h.reshape(-1, D), NamedSharding(mesh, P("dp", None))),
-            jax.device_put(w, NamedSharding(mesh, P("dp", None))))
+            jax.device_put(w, NamedSharding(mesh, P("dp", None))),
+        )
         res["sharded_weight_error"] = "no error"
     except Exception as e:
         res["sharded_weight_error"] = f"{type(e).__name__}: {e}"
     try:
         jax.jit(lambda h: dl.linear_logp(h, jnp.asarray(w), jnp.asarray(t[:, :4].reshape(-1)), **kw).logp)(
-            jax.device_put(h[:, :4].reshape(-1, D), NamedSharding(mesh, P(None, "dp"))))
+            jax.device_put(h[:, :4].reshape(-1, D), NamedSharding(mesh, P(None, "dp")))
+        )
         res["sharded_d_error"] = "no error"
     except Exception as e:
         res["sharded_d_error"] = f"{type(e).__name__}: {e}"
@@ -125,9 +134,15 @@ def run() -> dict:
     flat = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
     flat_args = (flat(hf, "dp"), flat(w), flat(b), flat(tf, "dp"), flat(tmf, "dp"))
     for vma, fn in ((True, body), (False, body_no_vma)):
+
         def run_map(fn=fn, vma=vma):
-            f = jax.shard_map(fn, mesh=mesh, in_specs=(P("dp"), P(), P(), P("dp"), P("dp")),
-                              out_specs=((P("dp"), P(), P()), P("dp")), check_vma=vma)
+            f = jax.shard_map(
+                fn,
+                mesh=mesh,
+                in_specs=(P("dp"), P(), P(), P("dp"), P("dp")),
+                out_specs=((P("dp"), P(), P()), P("dp")),
+                check_vma=vma,
+            )
             (dh, dw, db), o = jax.jit(f)(*flat_args)
             host = lambda x, shape=None: np.asarray(x).reshape(shape if shape else np.shape(x))
             return (host(dh, h.shape), host(dw), host(db)), type(o)(host(o.logp, (B, S)), host(o.lse, (B, S)))

@@ -112,8 +112,15 @@ def _single(case, return_logits=True):
     from detlogp_jax import linear_logp
 
     return linear_logp(
-        case["h"], case["w"], case["t"], bias=case["b"], temperature=case["temp"], vocab_size=case["vocab"],
-        padded_vocab_size=case["vpad"], backend="reference", return_logits=return_logits,
+        case["h"],
+        case["w"],
+        case["t"],
+        bias=case["b"],
+        temperature=case["temp"],
+        vocab_size=case["vocab"],
+        padded_vocab_size=case["vpad"],
+        backend="reference",
+        return_logits=return_logits,
     )
 
 
@@ -121,9 +128,16 @@ def _tp(case, tp, rows, *, return_logits=True, weight=None, bias="same"):
     from sharding import linear_logp_tp
 
     return linear_logp_tp(
-        case["h"], case["w"] if weight is None else weight, case["t"], mesh=_mesh(tp, rows),
-        row_axes=("dp",), bias=case["b"] if bias == "same" else bias, temperature=case["temp"],
-        vocab_size=case["vocab"], return_logits=return_logits, backend="reference",
+        case["h"],
+        case["w"] if weight is None else weight,
+        case["t"],
+        mesh=_mesh(tp, rows),
+        row_axes=("dp",),
+        bias=case["b"] if bias == "same" else bias,
+        temperature=case["temp"],
+        vocab_size=case["vocab"],
+        return_logits=return_logits,
+        backend="reference",
     )
 
 
@@ -239,8 +253,17 @@ def suite_qwen():
     temp, t = case["temp"], case["t"]
 
     def loss_single(h, w, b):
-        o = linear_logp(h, w, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=case["vpad"],
-                        backend="reference", return_logits=True)
+        o = linear_logp(
+            h,
+            w,
+            t,
+            bias=b,
+            temperature=temp,
+            vocab_size=vocab,
+            padded_vocab_size=case["vpad"],
+            backend="reference",
+            return_logits=True,
+        )
         return jnp.sum(jnp.nan_to_num(o.logp) * c1) + jnp.sum(o.lse * c2) + jnp.sum(o.logits * c3)
 
     args = (jnp.asarray(case["h"]), jnp.asarray(case["w"]), jnp.asarray(case["b"]))
@@ -252,8 +275,18 @@ def suite_qwen():
         mesh = _mesh(tp, rows)
 
         def loss_tp(h, w, b):
-            o = linear_logp_tp(h, w, t, mesh=mesh, row_axes=("dp",), bias=b, temperature=temp, vocab_size=vocab,
-                               return_logits=True, backend="reference")
+            o = linear_logp_tp(
+                h,
+                w,
+                t,
+                mesh=mesh,
+                row_axes=("dp",),
+                bias=b,
+                temperature=temp,
+                vocab_size=vocab,
+                return_logits=True,
+                backend="reference",
+            )
             return jnp.sum(jnp.nan_to_num(o.logp) * c1) + jnp.sum(o.lse * c2) + jnp.sum(o.logits[:, :vocab] * c3)
 
         g = [np.asarray(x) for x in jax.grad(loss_tp, argnums=(0, 1, 2))(*args)]
@@ -291,23 +324,43 @@ def suite_other():
     h, w, t = jnp.asarray(case["h"]), jnp.asarray(case["w"]), jnp.asarray(case["t"])
     ref = linear_logp(h, w, t, temperature=temp, vocab_size=vocab, padded_vocab_size=vpad, backend="reference")
     g_ref = jax.grad(
-        lambda h, w: jnp.sum(jnp.nan_to_num(linear_logp(h, w, t, temperature=temp, vocab_size=vocab, padded_vocab_size=vpad,
-                                                        backend="reference").logp)),
+        lambda h, w: jnp.sum(
+            jnp.nan_to_num(
+                linear_logp(
+                    h, w, t, temperature=temp, vocab_size=vocab, padded_vocab_size=vpad, backend="reference"
+                ).logp
+            )
+        ),
         argnums=(0, 1),
     )(h, w)
     mesh = _mesh(2, 2)
 
     def body(hl, wl, tl):
         def loss(hl, wl):
-            o = linear_logp_local(hl, wl, tl, axis_name="tp", temperature=temp, vocab_size=vocab,
-                                  padded_vocab_size=vpad, backend="reference")
+            o = linear_logp_local(
+                hl,
+                wl,
+                tl,
+                axis_name="tp",
+                temperature=temp,
+                vocab_size=vocab,
+                padded_vocab_size=vpad,
+                backend="reference",
+            )
             return jnp.sum(jnp.nan_to_num(o.logp)), o.logp
 
         (_, logp), (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hl, wl)
         return logp, dh, jax.lax.psum(dw, "dp")  # data-parallel weight gradient: the caller's psum
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("dp")),
-                              out_specs=(P("dp"), P("dp", None), P("tp", None)), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("dp", None), P("tp", None), P("dp")),
+            out_specs=(P("dp"), P("dp", None), P("tp", None)),
+            check_vma=False,
+        )
+    )
     logp, dh, dw = f(h, w, t)
     out["local_api"] = {
         "logp_rows_differ": _rows_differ(logp, ref.logp),
@@ -321,18 +374,33 @@ def suite_other():
     # summed over the data axis it is replicated on (no psum by the caller).
     def body_vma(hl, wl, tl):
         def loss(hl, wl):
-            o = linear_logp_local(hl, wl, tl, axis_name="tp", temperature=temp, vocab_size=vocab,
-                                  padded_vocab_size=vpad, backend="reference")
+            o = linear_logp_local(
+                hl,
+                wl,
+                tl,
+                axis_name="tp",
+                temperature=temp,
+                vocab_size=vocab,
+                padded_vocab_size=vpad,
+                backend="reference",
+            )
             return jnp.sum(jnp.nan_to_num(o.logp)), o.logp
 
         (_, logp), (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hl, wl)
         inv_t = jnp.full(tl.shape, np.float32(1.0) / np.float32(temp), jnp.float32)
-        fwd = tp_partials_and_fold(hl, wl, None, tl, inv_t, axis_name="tp", vocab_size=vocab, padded_vocab_size=vpad,
-                                   backend="reference")[0]
+        fwd = tp_partials_and_fold(
+            hl, wl, None, tl, inv_t, axis_name="tp", vocab_size=vocab, padded_vocab_size=vpad, backend="reference"
+        )[0]
         return logp, fwd, dh, dw
 
-    f = jax.jit(jax.shard_map(body_vma, mesh=mesh, in_specs=(P("dp", None), P("tp", None), P("dp")),
-                              out_specs=(P("dp"), P("dp"), P("dp", None), P("tp", None))))
+    f = jax.jit(
+        jax.shard_map(
+            body_vma,
+            mesh=mesh,
+            in_specs=(P("dp", None), P("tp", None), P("dp")),
+            out_specs=(P("dp"), P("dp"), P("dp", None), P("tp", None)),
+        )
+    )
     logp, fwd, dh, dw = f(h, w, t)
     out["local_api_vma"] = {
         "logp_rows_differ": _rows_differ(logp, ref.logp),
@@ -372,10 +440,11 @@ def mp_worker(pid: int, port: int, out_dir: str) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
-                               initialization_timeout=120)
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120
+    )
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from sharding import linear_logp_tp
 
@@ -394,9 +463,15 @@ def mp_worker(pid: int, port: int, out_dir: str) -> None:
     bs = [s if m else None for s, m in zip(np.split(case["b"], tp), mine)]
     temp = case["temp"]
     out = linear_logp_tp(
-        replicated(case["h"]), ws, replicated(case["t"]), mesh=mesh, tp_axis="tp", bias=bs,
+        replicated(case["h"]),
+        ws,
+        replicated(case["t"]),
+        mesh=mesh,
+        tp_axis="tp",
+        bias=bs,
         temperature=replicated(np.asarray(temp, np.float32)) if isinstance(temp, np.ndarray) else temp,
-        vocab_size=case["vocab"], backend="reference",
+        vocab_size=case["vocab"],
+        backend="reference",
     )
     logp = np.asarray(out.logp.addressable_data(0))
     lse = np.asarray(out.lse.addressable_data(0))

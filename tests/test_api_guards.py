@@ -3,17 +3,15 @@
 import os
 import subprocess
 import sys
-import warnings
-
-import numpy as np
-import pytest
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import detlogp_jax as dl
 from detlogp_jax import contract as C
-from conftest import ROOT, assert_bitwise_equal, bits
+from tests.helpers import ROOT, assert_bitwise_equal, bits, f64_loss_grads
 
 D, V, VOCAB = 32, 130, 128
 
@@ -55,16 +53,6 @@ def test_strict_mode_from_environment():
     assert out.stdout.strip() == "refused", out.stderr[-2000:]
 
 
-def test_fallback_outside_strict_mode_is_reported():
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("CPU-only behaviour")
-    h, w, t = _data()
-    with pytest.warns(UserWarning, match="falling back"):
-        dl.linear_logp(h, w, t, backend="pallas_sm90")
-    prov = dl.last_provenance()
-    assert prov.backend == "reference" and prov.fallback and prov.requested_backend == "pallas_sm90"
-
-
 def test_provenance_record_contents():
     h, w, t = _data()
     prov = dl.provenance(h, w, vocab_size=VOCAB, padded_vocab_size=192)
@@ -89,15 +77,18 @@ def test_tuning_cannot_override_contract_constants(monkeypatch):
 # --- bad input: clear errors at trace time ---------------------------------------------
 
 
-@pytest.mark.parametrize("mutate,exc,match", [
-    (lambda h, w, t: (h[:, :-1], w, t), ValueError, "D mismatch"),
-    (lambda h, w, t: (h, w[None], t), ValueError, r"\[V, D\] \(weight_layout=.vd.\)"),
-    (lambda h, w, t: (h, w, t[:-1]), ValueError, "targets shape"),
-    (lambda h, w, t: (h.astype(np.int32), w, t), TypeError, "bfloat16, float16 or float32"),
-    (lambda h, w, t: (h.astype(jnp.bfloat16), w, t), TypeError, "share a dtype"),
-    (lambda h, w, t: (h, w, t.astype(np.float32)), TypeError, "integer"),
-    (lambda h, w, t: (h[0, :0], w[:, :0], np.zeros((), np.int32)), ValueError, "D must be"),
-])
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda h, w, t: (h[:, :-1], w, t), ValueError, "D mismatch"),
+        (lambda h, w, t: (h, w[None], t), ValueError, r"\[V, D\] \(weight_layout=.vd.\)"),
+        (lambda h, w, t: (h, w, t[:-1]), ValueError, "targets shape"),
+        (lambda h, w, t: (h.astype(np.int32), w, t), TypeError, "bfloat16, float16 or float32"),
+        (lambda h, w, t: (h.astype(jnp.bfloat16), w, t), TypeError, "share a dtype"),
+        (lambda h, w, t: (h, w, t.astype(np.float32)), TypeError, "integer"),
+        (lambda h, w, t: (h[0, :0], w[:, :0], np.zeros((), np.int32)), ValueError, "D must be"),
+    ],
+)
 def test_shape_and_dtype_errors(mutate, exc, match):
     h, w, t = mutate(*_data())
     with pytest.raises(exc, match=match):
@@ -187,23 +178,6 @@ def test_empty_batch():
 # --- gradients vs float64 autodiff --------------------------------------------------------
 
 
-def _f64_loss_grads(h, w, b, t, temp, vocab, g_lp, g_lse):
-    """d/d(h, w, b) of sum(g_lp * logp + g_lse * lse), in float64, materialized."""
-    h = np.asarray(h, np.float64)
-    w = np.asarray(w, np.float64)
-    z = h @ w.T + np.asarray(b, np.float64)
-    y = z / temp
-    y[:, vocab:] = -np.inf
-    mx = y.max(1, keepdims=True)
-    p = np.exp(y - mx)
-    p /= p.sum(1, keepdims=True)
-    live = (t >= 0) & (t < vocab)
-    onehot = np.zeros_like(p)
-    onehot[np.arange(len(t))[live], t[live]] = 1
-    dz = (g_lse[:, None] * p + (g_lp * live)[:, None] * (onehot - p)) / temp
-    return dz @ w, dz.T @ h, dz.sum(0)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gradients_match_float64(dtype):
     rng = np.random.default_rng(11)
@@ -220,7 +194,7 @@ def test_gradients_match_float64(dtype):
         return jnp.sum(out.logp * g_lp) + jnp.sum(out.lse * g_lse)
 
     gh, gw, gb = jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(h), jnp.asarray(w), jnp.asarray(b))
-    eh, ew, eb = _f64_loss_grads(h, w, b, t, temp, VOCAB, g_lp, g_lse)
+    eh, ew, eb = f64_loss_grads(h, w, b, t, temp, VOCAB, g_lp, g_lse)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     for got, want in ((gh, eh), (gw, ew), (gb, eb)):
         got = np.asarray(got, np.float64)
@@ -291,7 +265,7 @@ def test_gradients_qwen_size_vocab_match_float64():
         return jnp.sum(out.logp * g_lp) + jnp.sum(out.lse * g_lse)
 
     got = jax.grad(loss, argnums=(0, 1, 2))(h, w, b)
-    want = _f64_loss_grads(h, w, b, t, 1.3, vocab, g_lp, g_lse)
+    want = f64_loss_grads(h, w, b, t, 1.3, vocab, g_lp, g_lse)
     for g, e in zip(got, want):
         g = np.asarray(g, np.float64)
         assert np.linalg.norm(g - e) / np.linalg.norm(e) < 1e-5

@@ -5,11 +5,10 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from benchmarks import baselines, cases, run, shapes
 from detlogp_jax import xla_backend
@@ -27,15 +26,31 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     out, png = d / "trainer_fwd.json", d / "trainer_fwd.png"
     cmd = [
-        sys.executable, "-m", "benchmarks.run", "--shape=tiny", f"--m={','.join(map(str, MS))}",
-        f"--backends={','.join(BACKENDS)}", "--warmup=1", "--iters=2", "--entry=trainer", "--mode=fwd",
-        f"--out={out}", f"--plot={png}",
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--shape=tiny",
+        f"--m={','.join(map(str, MS))}",
+        f"--backends={','.join(BACKENDS)}",
+        "--warmup=1",
+        "--iters=2",
+        "--entry=trainer",
+        "--mode=fwd",
+        f"--out={out}",
+        f"--plot={png}",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         cfg = run.RunConfig(
-            shape=shapes.get("tiny"), ms=MS, backends=BACKENDS, entry="serving", mode="fwd_bwd",
-            warmup=1, iters=2, out=str(d / "serving_fwd_bwd.json"), plot=str(d / "serving_fwd_bwd.png"),
+            shape=shapes.get("tiny"),
+            ms=MS,
+            backends=BACKENDS,
+            entry="serving",
+            mode="fwd_bwd",
+            warmup=1,
+            iters=2,
+            out=str(d / "serving_fwd_bwd.json"),
+            plot=str(d / "serving_fwd_bwd.png"),
         )
         serving = run.execute(cfg)
         stdout, stderr = proc.communicate(timeout=180)
@@ -119,7 +134,9 @@ def test_chunked_baseline_matches_xla(v_rows=1000, vocab=900, block=256):
     h = jax.random.normal(kh, (5, 32), jnp.float32)
     w = jax.random.normal(kw, (v_rows, 32), jnp.float32) * 0.5
     t = jax.random.randint(kt, (5,), 0, vocab).at[2].set(-100)
-    chunked = jax.jit(lambda h, w, t: baselines.chunked_logp(h, w, t, vocab_size=vocab, inv_t=0.7, block=block, return_logits=True))
+    chunked = jax.jit(
+        lambda h, w, t: baselines.chunked_logp(h, w, t, vocab_size=vocab, inv_t=0.7, block=block, return_logits=True)
+    )
     logp, lse, logits = chunked(h, w, t)
     inv_t = jnp.full((5,), 0.7, jnp.float32)
     xla = jax.jit(lambda h, w, t: xla_backend.forward(h, w, None, t, inv_t, vocab_size=vocab, return_logits=True))
@@ -174,13 +191,17 @@ def test_trace_summary_prefers_device_threads():
     """benchmarks.experiments.trace_summary.summarize: device-stream events only when there are any, per-call means, span."""
     from benchmarks.experiments import trace_summary
 
-    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
-            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
-    ev = [{"ph": "X", "pid": 1, "tid": 1, "name": "host_op", "ts": 0, "dur": 1000},
-          {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 10, "dur": 300},
-          {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 320, "dur": 30},
-          {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 400, "dur": 310},
-          {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 720, "dur": 40}]
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+    ]
+    ev = [
+        {"ph": "X", "pid": 1, "tid": 1, "name": "host_op", "ts": 0, "dur": 1000},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 10, "dur": 300},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 320, "dur": 30},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "fwd_kernel", "ts": 400, "dur": 310},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "fold", "ts": 720, "dur": 40},
+    ]
     s = trace_summary.summarize({"traceEvents": meta + ev}, calls=2)
     assert s["scope"] == "device"
     assert [r["name"] for r in s["rows"]] == ["fwd_kernel", "fold"]
@@ -226,8 +247,14 @@ def test_kernel_experiments_plan_valid_configs():
     valid config of one kernel (configs are checked when made, so a bad variant would end the whole
     GPU run before its first timing). In a subprocess: the experiments' absl flags (--out, --m)
     share names with benchmarks.run's."""
-    proc = subprocess.run([sys.executable, "-c", _EXPERIMENTS_DRY_RUN], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXPERIMENTS_DRY_RUN],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     planned = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(planned) > 50

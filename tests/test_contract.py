@@ -84,7 +84,21 @@ def test_overrides_raise():
 
 def test_provenance_constants_complete():
     consts = C.contract_constants()
-    for key in ("TILE_V", "K_WALK", "SPLIT_POLICY", "TILE_TREE", "CHAIN", "FOLD_ORDER", "EXP", "LOG", "FTZ", "BIAS", "TEMPERATURE", "PADDING", "CLAMP"):
+    for key in (
+        "TILE_V",
+        "K_WALK",
+        "SPLIT_POLICY",
+        "TILE_TREE",
+        "CHAIN",
+        "FOLD_ORDER",
+        "EXP",
+        "LOG",
+        "FTZ",
+        "BIAS",
+        "TEMPERATURE",
+        "PADDING",
+        "CLAMP",
+    ):
         assert key in consts
     C._self_check()
 

@@ -26,15 +26,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results"
 DOCS = ["README.md", "benchmarks/README.md", "benchmarks/results/README.md"] + sorted(
-        str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
+)
 
 _SEG = r"(?:[\w.*-]|\{[\w.,*-]*\})+"  # one path component, with {a,b} and * patterns
 _PATH = rf"{_SEG}(?:/{_SEG})*/?"
 SHA_REF = re.compile(rf"\b([0-9a-f]{{7,40}}):((?:benchmarks|tests)/{_PATH})")
 REPO_PATH = re.compile(rf"(?<![\w./:-])((?:benchmarks|tests/gpu)/(?:{_PATH})?)")
 RESULT_REL = re.compile(rf"(?<![\w./:-])((?:h200|runner_validation)_[\w-]+/(?:{_PATH})?)")
-BARE = re.compile(r"(?<![\w./:{,*-])([\w*-]+(?:\.[\w*-]+)*\.(?:jsonl|json|log|png|txt|sass\.gz|\*|\{[\w.,]+\})"
-                  r"|validate_[\w*-]+\.(?:md|\{[\w.,]+\}))(?![\w/*-])")
+BARE = re.compile(
+    r"(?<![\w./:{,*-])([\w*-]+(?:\.[\w*-]+)*\.(?:jsonl|json|log|png|txt|sass\.gz|\*|\{[\w.,]+\})"
+    r"|validate_[\w*-]+\.(?:md|\{[\w.,]+\}))(?![\w/*-])"
+)
 MODULE = re.compile(r"python3? -m (benchmarks(?:\.\w+)+)")
 HEADING = re.compile(r"^(#+)\s")
 HEAD_COMMIT = re.compile(r"files at commit ([0-9a-f]{7,40})")
@@ -45,8 +48,7 @@ def _expand(pattern):
     m = re.search(r"\{([^{}]*)\}", pattern)
     if not m:
         return [pattern]
-    return [x for alt in m.group(1).split(",")
-            for x in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
+    return [x for alt in m.group(1).split(",") for x in _expand(pattern[: m.start()] + alt + pattern[m.end() :])]
 
 
 def _clean(path):
@@ -64,8 +66,9 @@ def _in_tree(path):
 def _git_files(sha):
     """Files at commit sha, or None where git or the commit is not available (a shallow clone)."""
     try:
-        out = subprocess.run(["git", "ls-tree", "-r", "--name-only", sha], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", sha], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return frozenset(out.stdout.split()) if out.returncode == 0 else None
@@ -191,8 +194,12 @@ def test_benchmarks_readme_files_table():
     """The first column of benchmarks/README.md's "Files" table names files under benchmarks/."""
     text = (ROOT / "benchmarks/README.md").read_text()
     table = text.split("## Files", 1)[1].split("\n## ", 1)[0]
-    names = [name for row in table.splitlines() if row.startswith("| `")
-             for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+    names = [
+        name
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])
+    ]
     assert len(names) > 5
     missing = [n for n in names if not (ROOT / "benchmarks" / n).exists()]
     assert not missing, f"benchmarks/README.md lists {missing}, not under benchmarks/"
@@ -207,5 +214,7 @@ def test_patterns():
     assert REPO_PATH.findall(rest) == ["tests/gpu/old.sh"]
     assert RESULT_REL.findall(rest) == ["h200_x/a.log"]
     assert BARE.findall(RESULT_REL.sub(" ", REPO_PATH.sub(" ", rest))) == ["b.jsonl"]
-    assert _contexts(["## S (`h200_x/`, files at commit abc1234)", "x", "### T", "y", "## U", "z"]) == [
-        ("h200_x", "abc1234")] * 4 + [(None, None)] * 2
+    assert (
+        _contexts(["## S (`h200_x/`, files at commit abc1234)", "x", "### T", "y", "## U", "z"])
+        == [("h200_x", "abc1234")] * 4 + [(None, None)] * 2
+    )

@@ -40,8 +40,10 @@ def test_same_bytes_same_fingerprint_including_jit():
     assert weight_fingerprint(w) == weight_fingerprint(w, None) != fp
 
 
-@pytest.mark.parametrize("dtype,bits_", [(np.float32, (0, 13, 31)), (ml_dtypes.bfloat16, (0, 7, 15)),
-                                         (np.float16, (0, 15)), (np.int8, (0, 7))])
+@pytest.mark.parametrize(
+    "dtype,bits_",
+    [(np.float32, (0, 13, 31)), (ml_dtypes.bfloat16, (0, 7, 15)), (np.float16, (0, 15)), (np.int8, (0, 7))],
+)
 def test_any_single_bit_flip_changes_it(dtype, bits_):
     w = make_weight(dtype)
     fp = weight_fingerprint(w)
@@ -84,9 +86,19 @@ def test_dtype_shape_position_and_signed_zero():
 
 
 def test_supported_and_unsupported_dtypes():
-    fps = {weight_fingerprint(np.zeros((8, 8), dt)) for dt in
-           (np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.bool_,
-            ml_dtypes.float8_e4m3fn, np.int32)}
+    fps = {
+        weight_fingerprint(np.zeros((8, 8), dt))
+        for dt in (
+            np.float32,
+            np.float16,
+            ml_dtypes.bfloat16,
+            np.int8,
+            np.uint8,
+            np.bool_,
+            ml_dtypes.float8_e4m3fn,
+            np.int32,
+        )
+    }
     assert len(fps) == 8
     with pytest.raises(TypeError):
         weight_fingerprint(jnp.zeros((4,), jnp.int4))
@@ -121,10 +133,10 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_arrays_match_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", SHARDED], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", SHARDED], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     w, b = make_weight(), make_weight(shape=(64,))
     assert out.stdout.strip().splitlines()[-1] == weight_fingerprint(w, b)

@@ -1,17 +1,16 @@
 """LogpHead (Flax NNX): op parity, nnx.jit/nnx.grad/nnx.Optimizer training, determinism."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from detlogp_jax import linear_logp
-from detlogp_jax.flax import LogpHead
-from conftest import assert_bitwise_equal
 from detlogp_jax.apps.toy_lm import ToyLM, ToyLMConfig, shifted_targets
+from detlogp_jax.flax import LogpHead
+from tests.helpers import assert_bitwise_equal
 
 V, D = 300, 32
 
@@ -29,8 +28,17 @@ def test_head_routes_to_linear_logp_bitwise():
     assert head.kernel.shape == (V, D) and head.padded_vocab_size == 512
     h, t = _data()
     out = head(h, t, temperature=0.7, return_logits=True)
-    ref = linear_logp(h, head.kernel[...], t, bias=head.bias[...], temperature=0.7, vocab_size=V,
-                      padded_vocab_size=512, return_logits=True, backend="reference")
+    ref = linear_logp(
+        h,
+        head.kernel[...],
+        t,
+        bias=head.bias[...],
+        temperature=0.7,
+        vocab_size=V,
+        padded_vocab_size=512,
+        return_logits=True,
+        backend="reference",
+    )
     assert_bitwise_equal(out.logp, ref.logp, "logp")
     assert_bitwise_equal(out.lse, ref.lse, "lse")
     assert_bitwise_equal(out.logits, ref.logits, "logits")

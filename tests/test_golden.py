@@ -34,8 +34,10 @@ def test_golden_replay_matches_records():
     key = golden.platform_key(backend)
     if key not in golden.load():
         if ON_CPU:
-            pytest.fail(f"no golden record for {key}: re-record with python -m detlogp_jax.golden --record --out FILE "
-                        "(after a contract or JAX version change) and copy FILE over detlogp_jax/apps/data/fingerprints.json")
+            pytest.fail(
+                f"no golden record for {key}: re-record with python -m detlogp_jax.golden --record --out FILE "
+                "(after a contract or JAX version change) and copy FILE over detlogp_jax/apps/data/fingerprints.json"
+            )
         pytest.skip(f"no golden record for {key}")
     out = golden.replay(backend, log=lambda *_: None)
     results = out["results"]
@@ -73,7 +75,9 @@ def test_cli_fails_on_a_tampered_record(tmp_path, capsys):
     rec["logp_sha256"] = ("0" if rec["logp_sha256"][0] != "0" else "1") + rec["logp_sha256"][1:]
     tampered = tmp_path / "tampered.json"
     golden.dump(db, tampered)
-    assert golden.main(["--fingerprints", str(tampered), "--backend", "reference", "--cases", "small_odd,decode_row"]) == 1
+    assert (
+        golden.main(["--fingerprints", str(tampered), "--backend", "reference", "--cases", "small_odd,decode_row"]) == 1
+    )
     out = capsys.readouterr().out
     assert "1 pass, 1 fail" in out and "small_odd                FAIL" in out
 
@@ -103,14 +107,30 @@ def test_cli_record_needs_out_and_keeps_bytes(tmp_path, monkeypatch, capsys):
     empty = tmp_path / "empty.json"
     empty.write_text("{}\n")
     out2 = tmp_path / "new.json"
-    assert golden.main(["--record", "--fingerprints", str(empty), "--backend", "reference",
-                        "--cases", "decode_row", "--out", str(out2)]) == 0
+    assert (
+        golden.main(
+            [
+                "--record",
+                "--fingerprints",
+                str(empty),
+                "--backend",
+                "reference",
+                "--cases",
+                "decode_row",
+                "--out",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out2.read_text()) == {_cpu_key(): {"decode_row": golden.load()[_cpu_key()]["decode_row"]}}
 
 
 def _tracked_tree(dst):
     """Copies the files git would commit (tracked + untracked, not ignored) of ROOT to dst."""
-    r = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True)
+    r = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    )
     for rel in filter(None, r.stdout.decode().split("\0")):
         src = os.path.join(ROOT, rel)
         if os.path.isfile(src):
@@ -121,31 +141,57 @@ def _tracked_tree(dst):
 @pytestmark_cpu
 def test_installed_wheel_replays_from_another_directory(tmp_path):
     """Wheel -> fresh venv (no checkout on the path) -> `python -m detlogp_jax.golden` elsewhere: passes."""
-    if shutil.which("git") is None or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+    if (
+        shutil.which("git") is None
+        or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode
+    ):
         pytest.skip("not a git checkout")
     src, wheels, venv, elsewhere = (tmp_path / d for d in ("src", "wheels", "venv", "elsewhere"))
     _tracked_tree(src)  # build from a copy: pip's build/ and egg-info stay out of the source tree
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), "."],
-                   cwd=src, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), "."],
+        cwd=src,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (whl,) = glob.glob(str(wheels / "*.whl"))
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=120
+    )
     py = str(venv / "bin" / "python")
     # A venv made from a venv's python sees the *base* interpreter's site-packages only;
     # point it at this interpreter's (jax, flax, ...) with a plain path .pth (no .pth of
     # that directory is processed, so no editable checkout comes along).
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with open(os.path.join(site, "_parent_site.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", whl],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", whl],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DETLOGP_BACKEND", "DETLOGP_STRICT")}
     env["JAX_PLATFORMS"] = "cpu"
-    where = subprocess.run([py, "-c", "import detlogp_jax.apps.golden as g; print(g.__file__); print(g.PACKAGED)"],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.split()
+    where = subprocess.run(
+        [py, "-c", "import detlogp_jax.apps.golden as g; print(g.__file__); print(g.PACKAGED)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert all(p.startswith(site) for p in where), where
-    r = subprocess.run([py, "-m", "detlogp_jax.golden"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [py, "-m", "detlogp_jax.golden"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pass" in r.stdout and " 0 fail, 0 new" in r.stdout and not r.stdout.count(" 0 pass,")
     assert os.listdir(elsewhere) == []

@@ -17,7 +17,7 @@ from jax import export
 
 import detlogp_jax as dl
 from detlogp_jax import backends
-from tests.conftest import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, VOCAB, V_ROWS = 64, 600, 640
@@ -97,7 +97,7 @@ def _jaxpr_transposes(jaxpr, shape):
         if eqn.primitive.name == "transpose" and tuple(eqn.invars[0].aval.shape) == shape:
             found += 1
         for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
                 inner = getattr(sub, "jaxpr", None)
                 if inner is not None:
                     found += _jaxpr_transposes(getattr(inner, "jaxpr", inner), shape)
@@ -112,17 +112,24 @@ def test_dv_kernel_is_never_transposed_or_copied(backend):
     k = jnp.asarray(np.ascontiguousarray(np.asarray(w).T))
 
     def loss(h, k, b):
-        return jnp.sum(jnp.nan_to_num(dl.linear_logp(h, k, t, bias=b, vocab_size=VOCAB, backend=backend,
-                                                     weight_layout="dv").logp))
+        return jnp.sum(
+            jnp.nan_to_num(dl.linear_logp(h, k, t, bias=b, vocab_size=VOCAB, backend=backend, weight_layout="dv").logp)
+        )
 
-    fns = {"forward": jax.jit(lambda h, k, b: dl.linear_logp(h, k, t, bias=b, vocab_size=VOCAB, backend=backend,
-                                                             weight_layout="dv").logp),
-           "gradient": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+    fns = {
+        "forward": jax.jit(
+            lambda h, k, b: dl.linear_logp(h, k, t, bias=b, vocab_size=VOCAB, backend=backend, weight_layout="dv").logp
+        ),
+        "gradient": jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+    }
     shapes = {f"[{D},{V_ROWS}]", f"[{V_ROWS},{D}]"}
     for name, fn in fns.items():
         assert _jaxpr_transposes(jax.make_jaxpr(fn)(h, k, b).jaxpr, (D, V_ROWS)) == 0, name
-        moved = [(op, ty) for op, ty in _hlo_ops(fn.lower(h, k, b).compile().as_text())
-                 if op in ("transpose", "copy") and any(s in ty for s in shapes)]
+        moved = [
+            (op, ty)
+            for op, ty in _hlo_ops(fn.lower(h, k, b).compile().as_text())
+            if op in ("transpose", "copy") and any(s in ty for s in shapes)
+        ]
         assert not moved, (name, moved)
     # the check can fail: a transposed kernel does show up
     bad = jax.jit(lambda h, k, b: dl.linear_logp(h, k.T, t, bias=b, vocab_size=VOCAB, backend=backend).logp)
@@ -134,8 +141,7 @@ def test_dv_gradients_in_the_callers_layout_match_float64():
     k = jnp.asarray(np.ascontiguousarray(np.asarray(w).T))
 
     def loss(h, k, b):
-        o = dl.linear_logp(h, k, t, bias=b, temperature=temp, vocab_size=VOCAB, backend="reference",
-                           weight_layout="dv")
+        o = dl.linear_logp(h, k, t, bias=b, temperature=temp, vocab_size=VOCAB, backend="reference", weight_layout="dv")
         return jnp.sum(jnp.nan_to_num(o.logp) + 0.5 * o.lse)
 
     dh, dk, db = jax.grad(loss, argnums=(0, 1, 2))(h, k, b)
@@ -163,18 +169,25 @@ def test_dv_gradients_in_the_callers_layout_match_float64():
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "mesh.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mesh_cases.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "mesh_cases.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.exists(), proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["ok"], data.get("error")
     return data["result"]
 
 
-MESH_CASES = [f"{kind}_{case}" for kind in ("explicit", "auto") for case in ("jit_grad", "set_mesh_grad", "one_axis_grad",
-                                                                           "dv_grad")]
+MESH_CASES = [
+    f"{kind}_{case}"
+    for kind in ("explicit", "auto")
+    for case in ("jit_grad", "set_mesh_grad", "one_axis_grad", "dv_grad")
+]
 MESH_CASES += ["shard_map_check_vma_True", "shard_map_check_vma_False"]
 
 
@@ -309,8 +322,13 @@ def test_targets_of_any_width_are_range_checked_before_narrowing(dtype, x64):
         want_bad += [True]
     t_np = np.asarray(vals, dtype)
     h = h[: len(vals)] if len(vals) <= 8 else jnp.tile(h, (2, 1))[: len(vals)]
-    ref = dl.linear_logp(h, w, jnp.asarray(np.where(np.asarray(want_bad), 7, np.asarray(vals, np.int64)).astype(np.int32)),
-                         vocab_size=vocab, backend="reference").logp
+    ref = dl.linear_logp(
+        h,
+        w,
+        jnp.asarray(np.where(np.asarray(want_bad), 7, np.asarray(vals, np.int64)).astype(np.int32)),
+        vocab_size=vocab,
+        backend="reference",
+    ).logp
     with jax.enable_x64(x64):
         for t in (t_np, jnp.asarray(t_np) if (x64 or info.bits <= 32) else None):
             if t is None:
@@ -331,8 +349,10 @@ def test_differentiating_the_temperature_raises():
         jax.grad(lambda T: dl.linear_logp(h, w, t, temperature=T, backend="reference").logp.sum())(1.3)
     with pytest.raises(TypeError, match="temperature"):
         jax.grad(lambda T: dl.linear_logp(h, w, t, temperature=T, backend="reference").lse.sum())(
-            jnp.full(t.shape, 0.8))
+            jnp.full(t.shape, 0.8)
+        )
     # stop_gradient (or a temperature that is not differentiated) is fine
-    g = jax.grad(lambda T: dl.linear_logp(h, w, t, temperature=jax.lax.stop_gradient(T), backend="reference")
-                 .logp.sum())(1.3)
+    g = jax.grad(
+        lambda T: dl.linear_logp(h, w, t, temperature=jax.lax.stop_gradient(T), backend="reference").logp.sum()
+    )(1.3)
     assert float(g) == 0.0

@@ -1,14 +1,13 @@
 """linear_logp on the reference backend: determinism, batch invariance, correctness."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
 import detlogp_jax as dl
 from detlogp_jax import oracle as O
-from conftest import assert_bitwise_equal, bits, row_mismatches
+from tests.helpers import assert_bitwise_equal, bits, row_mismatches
 
 D, V, V_REAL = 48, 200, 190  # D and V deliberately not multiples of 64
 
@@ -112,7 +111,9 @@ def test_return_logits_does_not_change_bits_and_oracle_agrees(pool):
     assert_bitwise_equal(serving.logp, p["batch"].logp, "serving vs trainer logp")
     assert_bitwise_equal(serving.lse, p["batch"].lse, "serving vs trainer lse")
     # oracle(returned logits) == backend output, bit for bit
-    lp, lse = O.logp_lse(np.asarray(serving.logits), p["t"], temperature=p["temp"], vocab_size=V_REAL, padded_vocab_size=V)
+    lp, lse = O.logp_lse(
+        np.asarray(serving.logits), p["t"], temperature=p["temp"], vocab_size=V_REAL, padded_vocab_size=V
+    )
     assert_bitwise_equal(lp, serving.logp, "oracle logp")
     assert_bitwise_equal(lse, serving.lse, "oracle lse")
     # on XLA:CPU the reference logits themselves follow the documented K walk
@@ -124,7 +125,9 @@ def test_return_logits_does_not_change_bits_and_oracle_agrees(pool):
 def test_unpadded_weight_declared_padded_equals_padded_weights():
     h, w, b = _problem(37, seed=5, v=V_REAL)
     t = jnp.asarray(np.random.default_rng(6).integers(0, V_REAL, 37))
-    unpadded = dl.linear_logp(h, w, t, vocab_size=V_REAL, padded_vocab_size=256, backend="reference", return_logits=True)
+    unpadded = dl.linear_logp(
+        h, w, t, vocab_size=V_REAL, padded_vocab_size=256, backend="reference", return_logits=True
+    )
     zero_pad = np.concatenate([w, np.zeros((256 - V_REAL, D), w.dtype)])
     garbage = np.concatenate([w, (np.random.default_rng(7).standard_normal((256 - V_REAL, D)) * 1e3).astype(w.dtype)])
     for padded_w in (zero_pad, garbage):
@@ -145,12 +148,15 @@ def _float64_logp_lse(h, w, b, t, temp, vocab):
     return y[np.arange(len(t)), t] - lse, lse
 
 
-@pytest.mark.parametrize("dtype,scale,v,vocab,d", [
-    (jnp.bfloat16, 1.0, 200, 190, 48),
-    (jnp.float32, 1.0, 130, 130, 70),
-    (jnp.float32, 60.0, 100, 97, 64),  # |z| up to ~600
-    (jnp.bfloat16, 1.0, 1, 1, 16),  # V = 1
-])
+@pytest.mark.parametrize(
+    "dtype,scale,v,vocab,d",
+    [
+        (jnp.bfloat16, 1.0, 200, 190, 48),
+        (jnp.float32, 1.0, 130, 130, 70),
+        (jnp.float32, 60.0, 100, 97, 64),  # |z| up to ~600
+        (jnp.bfloat16, 1.0, 1, 1, 16),  # V = 1
+    ],
+)
 def test_correct_vs_float64(dtype, scale, v, vocab, d):
     h, w, b = _problem(33, seed=8, d=d, v=v, dtype=dtype, scale=scale)
     t = np.random.default_rng(9).integers(0, vocab, 33)
@@ -168,6 +174,8 @@ def test_correct_vs_float64(dtype, scale, v, vocab, d):
 def test_per_row_temperature_equals_scalar_rows():
     h, w, b = _problem(10, seed=10)
     t = jnp.asarray(np.arange(10))
-    o_rows = dl.linear_logp(h, w, t, temperature=jnp.full((10,), 0.6, jnp.float32), vocab_size=V_REAL, backend="reference")
+    o_rows = dl.linear_logp(
+        h, w, t, temperature=jnp.full((10,), 0.6, jnp.float32), vocab_size=V_REAL, backend="reference"
+    )
     o_scalar = dl.linear_logp(h, w, t, temperature=0.6, vocab_size=V_REAL, backend="reference")
     assert_bitwise_equal(o_rows.logp, o_scalar.logp, "per-row vs scalar temperature")

@@ -7,7 +7,7 @@ import pytest
 
 from detlogp_jax import contract as C
 from detlogp_jax import oracle as O
-from conftest import bits
+from tests.helpers import bits
 
 F32 = np.float32
 MIN_NORMAL = Fraction(2) ** -126
@@ -48,12 +48,15 @@ def _samples(rng, n):
     return np.concatenate(kinds).astype(F32)
 
 
-@pytest.mark.parametrize("op,exact", [
-    (O.f_add, lambda a, b: a + b),
-    (O.f_sub, lambda a, b: a - b),
-    (O.f_mul, lambda a, b: a * b),
-    (O.f_div, lambda a, b: a / b),
-])
+@pytest.mark.parametrize(
+    "op,exact",
+    [
+        (O.f_add, lambda a, b: a + b),
+        (O.f_sub, lambda a, b: a - b),
+        (O.f_mul, lambda a, b: a * b),
+        (O.f_div, lambda a, b: a / b),
+    ],
+)
 def test_rounded_primitives_match_exact_rationals(op, exact):
     rng = np.random.default_rng(0)
     a = _samples(rng, 400)
@@ -85,7 +88,9 @@ def _ulp_err(got, want64):
 
 def test_pexp_accuracy_and_specials():
     rng = np.random.default_rng(1)
-    x = np.concatenate([-rng.uniform(0, 87, 200_000), -rng.uniform(0, 1, 200_000), -np.linspace(0, 1e-4, 1001)]).astype(F32)
+    x = np.concatenate([-rng.uniform(0, 87, 200_000), -rng.uniform(0, 1, 200_000), -np.linspace(0, 1e-4, 1001)]).astype(
+        F32
+    )
     want = np.exp(x.astype(np.float64))
     keep = want >= 2.0**-125
     err = _ulp_err(O.pexp(x)[keep], want[keep])
@@ -98,13 +103,17 @@ def test_pexp_accuracy_and_specials():
 
 def test_plog_accuracy_and_specials():
     rng = np.random.default_rng(2)
-    s = np.concatenate([rng.uniform(1, 3e5, 200_000), rng.uniform(0.5, 2, 200_000), 2.0 ** np.arange(-100, 100)]).astype(F32)
+    s = np.concatenate(
+        [rng.uniform(1, 3e5, 200_000), rng.uniform(0.5, 2, 200_000), 2.0 ** np.arange(-100, 100)]
+    ).astype(F32)
     want = np.log(s.astype(np.float64))
     nz = want != 0
     err = _ulp_err(O.plog(s)[nz], want[nz])
     assert err.max() <= 1.5, err.max()
     sp = O.plog(np.array([1.0, 0.0, np.inf, -1.0, np.nan], F32))
-    assert bits(sp[0]) == bits(F32(0.0)) and sp[1] == -np.inf and sp[2] == np.inf and np.isnan(sp[3]) and np.isnan(sp[4])
+    assert (
+        bits(sp[0]) == bits(F32(0.0)) and sp[1] == -np.inf and sp[2] == np.inf and np.isnan(sp[3]) and np.isnan(sp[4])
+    )
 
 
 def test_tree64_is_adjacent_pairwise():
@@ -133,7 +142,9 @@ def test_oracle_matches_float64_logsumexp():
         mx = y.max(1)
         lse64 = mx + np.log(np.exp(y - mx[:, None]).sum(1))
         np.testing.assert_allclose(lse, lse64, rtol=2e-6, atol=2e-6)
-        np.testing.assert_allclose(logp, np.minimum(y[np.arange(16), t] - lse64, 0), rtol=2e-6, atol=5e-5 * max(1, scale / 10))
+        np.testing.assert_allclose(
+            logp, np.minimum(y[np.arange(16), t] - lse64, 0), rtol=2e-6, atol=5e-5 * max(1, scale / 10)
+        )
 
 
 def test_oracle_padding_and_targets():
@@ -203,11 +214,13 @@ def test_reciprocal_rn_is_ieee_division_bitwise():
         got = np.asarray(f(jnp.asarray(t)))
         want = O.f_div(np.float32(1.0), t)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), be
-    sp = np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40, 1.0, -3.0, 2.0 ** 127, 3e38, 1.17549435e-38], np.float32)
+    sp = np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40, 1.0, -3.0, 2.0**127, 3e38, 1.17549435e-38], np.float32)
     got = np.asarray(f(jnp.asarray(sp)))
     assert np.array_equal(got.view(np.uint32), O.f_div(np.float32(1.0), sp).view(np.uint32))
     assert np.isnan(np.asarray(f(jnp.asarray([np.nan], jnp.float32)))[0])
     rng = np.random.default_rng(3)
     temp = rng.uniform(0.05, 4.0, 4096).astype(np.float32)
-    assert np.array_equal(np.asarray(numerics.inv_temperature(jnp.asarray(temp), 4096)).view(np.uint32),
-                          O.inv_temperature(temp, 4096).view(np.uint32))
+    assert np.array_equal(
+        np.asarray(numerics.inv_temperature(jnp.asarray(temp), 4096)).view(np.uint32),
+        O.inv_temperature(temp, 4096).view(np.uint32),
+    )

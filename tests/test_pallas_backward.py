@@ -8,13 +8,12 @@ bytes. The GPU run of the same checks is tests/gpu/test_grad_gpu.py.
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from detlogp_jax import backends, grad
-from tests.conftest import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal
 
 pk = pytest.importorskip("pallas_kernels.sm90_dz")
 from pallas_kernels.interpret_utils import row_invariant_wgmma  # noqa: E402
@@ -41,8 +40,19 @@ def test_dz_chunk_matches_float64():
     lo, hi = 64, 448
     pad = lambda x, v=0: jnp.asarray(np.pad(x, (0, n_pad - n), constant_values=v))
     with row_invariant_wgmma():
-        dz = pk.dz_chunk(jnp.pad(h, ((0, n_pad - n), (0, 0))), w, b, pad(t, -1), pad(invt, 1), pad(lse), pad(c1),
-                         pad(c2), lo, hi, interpret=True)
+        dz = pk.dz_chunk(
+            jnp.pad(h, ((0, n_pad - n), (0, 0))),
+            w,
+            b,
+            pad(t, -1),
+            pad(invt, 1),
+            pad(lse),
+            pad(c1),
+            pad(c2),
+            lo,
+            hi,
+            interpret=True,
+        )
     dz = np.asarray(dz, np.float64)
     cols = np.arange(chunk)
     want = c1[:, None] * np.exp(z * invt[:, None] - lse[:, None]) + c2[:, None] * (cols[None, :] == t[:, None])
@@ -125,8 +135,17 @@ def test_fused_path_padding_rows_get_no_gradient_with_a_large_bias():
     y = z * np.asarray(inv_t, np.float64)[:, None]
     y[:, vocab:] = -np.inf
     lse = jnp.asarray(np.log(np.exp(y - y.max(1, keepdims=True)).sum(1)) + y.max(1), jnp.float32)
-    args = (h, w, jnp.asarray(b), jnp.asarray(t), inv_t, lse, jnp.asarray(rng.standard_normal(n), jnp.float32),
-            jnp.asarray(rng.standard_normal(n), jnp.float32), None)
+    args = (
+        h,
+        w,
+        jnp.asarray(b),
+        jnp.asarray(t),
+        inv_t,
+        lse,
+        jnp.asarray(rng.standard_normal(n), jnp.float32),
+        jnp.asarray(rng.standard_normal(n), jnp.float32),
+        None,
+    )
     want = grad.backward(*args, vocab_size=vocab, chunk=chunk)
     calls = []
     got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=_with_fn(_reference_dz_kernel(calls)))

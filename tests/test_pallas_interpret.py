@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
-from tests.conftest import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal
 from tests.pallas_cases import fold_problem
 
 pk = pytest.importorskip("pallas_kernels")
@@ -59,13 +59,24 @@ def _problem(n, d, v, bias=True, seed=0, temp=0.7, per_row_t=False):
 
 def _run(h, w, b, t, inv_t, v, vp, *, races=False, **kw):
     ip = plgpu.InterpretGPUParams(detect_races=races)
-    out = pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp,
-                      interpret=True, interpret_params=ip, **kw)
+    out = pk.partials(
+        h,
+        w,
+        b,
+        jnp.asarray(t),
+        jnp.asarray(inv_t),
+        vocab_size=v,
+        padded_vocab_size=vp,
+        interpret=True,
+        interpret_params=ip,
+        **kw,
+    )
     out = jax.block_until_ready(out)
     if races:
         assert not _races_found(), "race detected in the forward kernel"
-    logp, lse = pk.fold(out[0], out[1], out[2], jnp.asarray(t), jnp.asarray(inv_t), v, interpret=True,
-                        interpret_params=ip)
+    logp, lse = pk.fold(
+        out[0], out[1], out[2], jnp.asarray(t), jnp.asarray(inv_t), v, interpret=True, interpret_params=ip
+    )
     if races:
         assert not _races_found(), "race detected in the fold kernel"
     return out, np.asarray(logp), np.asarray(lse)
@@ -178,8 +189,19 @@ def test_unpadded_weight_and_tp_shards():
     ms, ss, zs, os_ = [], [], [], []
     for r in range(2):
         lo = 256 * r
-        out = pk.partials(h, wp[lo:lo + 256], bp[lo:lo + 256], jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v,
-                          padded_vocab_size=vp, col_offset=lo, shard_cols=256, interpret=True, num_ctas=2)
+        out = pk.partials(
+            h,
+            wp[lo : lo + 256],
+            bp[lo : lo + 256],
+            jnp.asarray(t),
+            jnp.asarray(inv_t),
+            vocab_size=v,
+            padded_vocab_size=vp,
+            col_offset=lo,
+            shard_cols=256,
+            interpret=True,
+            num_ctas=2,
+        )
         ms.append(np.asarray(out[0]))
         ss.append(np.asarray(out[1]))
         zs.append(np.asarray(out[2]))
@@ -219,8 +241,9 @@ def test_launch_knobs_are_bit_neutral():
     variants = [
         # chain-in-wgmma kernel (the small bucket's): delay_release, work order, staging slots
         dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3, logits_slots=2),
-        dataclasses.replace(tuning.BUCKETS["small"], name="x3", block_m=64, num_compute_wgs=1, delay_release=1,
-                            logits_slots=1),
+        dataclasses.replace(
+            tuning.BUCKETS["small"], name="x3", block_m=64, num_compute_wgs=1, delay_release=1, logits_slots=1
+        ),
         # sm90_forward_ws: work order
         dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2),
     ]
@@ -267,8 +290,9 @@ def test_ws_kernel_tile_k32_equals_oracle():
     partials must still be the contract of its own logits."""
     n, d, v, vp = 70, 128, 328, 512
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=2)
-    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=_ws(tile_k=32, epilogue_slices=4), num_ctas=1,
-                          return_logits=True)
+    out, logp, lse = _run(
+        h, w, b, t, inv_t, v, vp, races=True, bucket=_ws(tile_k=32, epilogue_slices=4), num_ctas=1, return_logits=True
+    )
     _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
 
 
@@ -291,13 +315,27 @@ def test_chain_tile_sliced_equals_chain_tile(full):
     inv_t = jnp.asarray(rng.uniform(0.5, 2.0, bm), jnp.float32)
     ops = ptx_ops.make_ops(True, None, source=inv_t)
     col = jnp.asarray(np.arange(64)[None, :] + tcol0, jnp.int32) + jnp.zeros((bm, 1), jnp.int32)
-    want = tile_math.chain_tile(m, s, z, col, tgt, jnp.broadcast_to(inv_t[:, None], (bm, 64)), limit, ops,
-                                interpret=True, masked=not full)
+    want = tile_math.chain_tile(
+        m, s, z, col, tgt, jnp.broadcast_to(inv_t[:, None], (bm, 64)), limit, ops, interpret=True, masked=not full
+    )
     ident = lambda x: x
     load_slice = lambda j: lax.dynamic_slice_in_dim(z, j * 8, 8, axis=1)
     for sps in (1, 2, 4, 8):
-        got = tile_math.chain_tile_sliced(m, s, load_slice, tcol0, tgt, inv_t, limit, jnp.asarray(full), ops,
-                                          interpret=True, tile_cast=ident, row_cast=ident, slices_per_step=sps)
+        got = tile_math.chain_tile_sliced(
+            m,
+            s,
+            load_slice,
+            tcol0,
+            tgt,
+            inv_t,
+            limit,
+            jnp.asarray(full),
+            ops,
+            interpret=True,
+            tile_cast=ident,
+            row_cast=ident,
+            slices_per_step=sps,
+        )
         for a, c, name in zip(got, want, ("m", "s", "z_hit")):
             assert_bitwise_equal(np.asarray(a), np.asarray(c), f"{name} sps={sps}")
 
@@ -316,11 +354,10 @@ def test_ws_register_split_fits_the_launch_allocation():
 
 def test_each_kernel_builds_only_its_own_config():
     """The config's type picks the kernel: a builder refuses the other kernel's config."""
-    from pallas_kernels import sm90_forward_ws, sm90_forward_wgmma
+    from pallas_kernels import sm90_forward_wgmma, sm90_forward_ws
 
     geom = pk.shard_geometry(328, 512)
-    kw = dict(n_pad=128, d=128, lg_cols=328, geom=geom, has_bias=False, return_logits=False, num_ctas=1,
-              interpret=True)
+    kw = dict(n_pad=128, d=128, lg_cols=328, geom=geom, has_bias=False, return_logits=False, num_ctas=1, interpret=True)
     with pytest.raises(TypeError, match="WsForwardConfig"):
         sm90_forward_ws.build(cfg=tuning.BUCKETS["small"], **kw)
     with pytest.raises(TypeError, match="WgmmaForwardConfig"):
@@ -341,5 +378,15 @@ def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
     for k, name in enumerate(("m", "s", "z_t")):
         assert_bitwise_equal(np.asarray(cut[k]), np.asarray(full[k]), name)
     with pytest.raises(ValueError, match="logits_cols"):
-        pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp, interpret=True,
-                    return_logits=True, logits_cols=385)
+        pk.partials(
+            h,
+            w,
+            b,
+            jnp.asarray(t),
+            jnp.asarray(inv_t),
+            vocab_size=v,
+            padded_vocab_size=vp,
+            interpret=True,
+            return_logits=True,
+            logits_cols=385,
+        )

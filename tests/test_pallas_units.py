@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detlogp_jax import numerics, contract as C
-from detlogp_jax import oracle
+from detlogp_jax import contract as C
+from detlogp_jax import numerics, oracle
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import common, ptx_ops, ptx_programs, tile_math, tuning  # noqa: E402
@@ -33,13 +33,36 @@ def _same(a, b):
 def _inputs(n=60000, seed=0):
     rng = np.random.default_rng(seed)
     specials = np.array(
-        [0.0, -0.0, np.nan, -np.inf, np.inf, -104.0, -103.99999, -87.33, -88.72, 1e-40, -1e-40,
-         -(2.0**-126), -(2.0**-127), -150.0, -1e30, 88.0, 1.0, -1.0],
+        [
+            0.0,
+            -0.0,
+            np.nan,
+            -np.inf,
+            np.inf,
+            -104.0,
+            -103.99999,
+            -87.33,
+            -88.72,
+            1e-40,
+            -1e-40,
+            -(2.0**-126),
+            -(2.0**-127),
+            -150.0,
+            -1e30,
+            88.0,
+            1.0,
+            -1.0,
+        ],
         np.float32,
     )
-    a = np.concatenate([
-        rng.uniform(-120, 0, n), -np.exp(rng.uniform(-140, 5, n)), rng.standard_normal(n) * 30, specials,
-    ]).astype(np.float32)
+    a = np.concatenate(
+        [
+            rng.uniform(-120, 0, n),
+            -np.exp(rng.uniform(-140, 5, n)),
+            rng.standard_normal(n) * 30,
+            specials,
+        ]
+    ).astype(np.float32)
     b = np.concatenate([rng.uniform(-5, 5, a.size - specials.size), np.zeros(specials.size)]).astype(np.float32)
     return a, b
 
@@ -63,8 +86,19 @@ def test_ptx_single_ops_equal_oracle(prog, ref):
 def test_ptx_text_is_pinned():
     """Only explicitly rounded, FTZ f32 arithmetic and exact int/select ops; no FMA."""
     allowed = {
-        "mul.rn.ftz.f32", "add.rn.ftz.f32", "sub.rn.ftz.f32", "setp.lt.f32", "setp.nan.f32", "selp.f32",
-        "selp.b32", "mov.b32", "add.s32", "sub.s32", "shl.b32", "setp.lt.s32", "mov.f32",
+        "mul.rn.ftz.f32",
+        "add.rn.ftz.f32",
+        "sub.rn.ftz.f32",
+        "setp.lt.f32",
+        "setp.nan.f32",
+        "selp.f32",
+        "selp.b32",
+        "mov.b32",
+        "add.s32",
+        "sub.s32",
+        "shl.b32",
+        "setp.lt.s32",
+        "mov.f32",
     }
     for prog in (ptx_programs.PEXP_DIFF, ptx_programs.PEXP, ptx_programs.MUL, ptx_programs.ADD, ptx_programs.SUB):
         text = prog.ptx()
@@ -75,10 +109,13 @@ def test_ptx_text_is_pinned():
 
 def test_plog_equals_oracle():
     rng = np.random.default_rng(3)
-    x = np.concatenate([
-        rng.uniform(0, 300, 50000), np.exp(rng.uniform(-100, 88, 50000)),
-        [0, -0.0, 1e-40, -1e-40, np.inf, -np.inf, np.nan, -1, 1, 2.0**-126, 3.4e38],
-    ]).astype(np.float32)
+    x = np.concatenate(
+        [
+            rng.uniform(0, 300, 50000),
+            np.exp(rng.uniform(-100, 88, 50000)),
+            [0, -0.0, 1e-40, -1e-40, np.inf, -np.inf, np.nan, -1, 1, 2.0**-126, 3.4e38],
+        ]
+    ).astype(np.float32)
     f = jax.jit(lambda v: tile_math.plog(v, ptx_ops.InterpretOps(numerics.opaque_zero(v))))
     assert _same(f(x), oracle.plog(x))
 
@@ -148,18 +185,47 @@ def test_shipped_configs_are_pinned():
     """The bucket table, the fold's and the dz kernel's configs carry the shipped values (each
     field; the Mosaic hash guard benchmarks/mosaic_ir_hashes.py checks the programs)."""
     assert tuning.BUCKETS == {
-        "decode": tuning.WsForwardConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5,
-                                         ctas_per_sm=1, split_group=0, epilogue_wgs=1, mma_registers=0,
-                                         epilogue_slices=2, tile_k=64, auto_barriers=False, cluster=1),
-        "small": tuning.WgmmaForwardConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4,
-                                           ctas_per_sm=1, split_group=0, delay_release=0, logits_slots=2),
-        "prefill": tuning.WsForwardConfig("prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3,
-                                          ctas_per_sm=1, split_group=4, epilogue_wgs=1, mma_registers=0,
-                                          epilogue_slices=2, tile_k=64, auto_barriers=False, cluster=1),
+        "decode": tuning.WsForwardConfig(
+            "decode",
+            block_m=64,
+            num_compute_wgs=1,
+            max_concurrent_steps=5,
+            ctas_per_sm=1,
+            split_group=0,
+            epilogue_wgs=1,
+            mma_registers=0,
+            epilogue_slices=2,
+            tile_k=64,
+            auto_barriers=False,
+            cluster=1,
+        ),
+        "small": tuning.WgmmaForwardConfig(
+            "small",
+            block_m=64,
+            num_compute_wgs=2,
+            max_concurrent_steps=4,
+            ctas_per_sm=1,
+            split_group=0,
+            delay_release=0,
+            logits_slots=2,
+        ),
+        "prefill": tuning.WsForwardConfig(
+            "prefill",
+            block_m=64,
+            num_compute_wgs=2,
+            max_concurrent_steps=3,
+            ctas_per_sm=1,
+            split_group=4,
+            epilogue_wgs=1,
+            mma_registers=0,
+            epilogue_slices=2,
+            tile_k=64,
+            auto_barriers=False,
+            cluster=1,
+        ),
     }
     assert tuning.FOLD == tuning.FoldConfig(staged=True, rows=32, chunk=64, unroll=None)
-    assert tuning.DZ == tuning.DzConfig(block_m=64, num_compute_wgs=2, block_n=256, max_concurrent_steps=4,
-                                        col_group=4)
+    assert tuning.DZ == tuning.DzConfig(block_m=64, num_compute_wgs=2, block_n=256, max_concurrent_steps=4, col_group=4)
     assert tuning.DZ.rows_per_cta == 128
     assert [upper for upper, _ in tuning.BUCKET_TABLE[:2]] == [64, 512]
 
@@ -168,7 +234,7 @@ def test_shipped_configs_are_pinned():
 def test_each_bucket_builds(name):
     """Every bucket's config re-validates (dataclasses.replace runs __post_init__) and builds its
     kernel (the builder's own checks: stages, shared memory, register split)."""
-    from pallas_kernels import sm90_forward_ws, sm90_forward_wgmma
+    from pallas_kernels import sm90_forward_wgmma, sm90_forward_ws
 
     cfg = dataclasses.replace(tuning.BUCKETS[name])
     assert cfg == tuning.BUCKETS[name]
@@ -176,8 +242,18 @@ def test_each_bucket_builds(name):
     geom = pk.shard_geometry(151936, 152064)
     n_pad = tuning.padded_rows(4096, cfg)
     for logits in (False, True):
-        module.build(n_pad=n_pad, d=4096, lg_cols=151936, geom=geom, cfg=cfg, has_bias=True, return_logits=logits,
-                     num_ctas=132, interpret=False, lg_rows=4096)
+        module.build(
+            n_pad=n_pad,
+            d=4096,
+            lg_cols=151936,
+            geom=geom,
+            cfg=cfg,
+            has_bias=True,
+            return_logits=logits,
+            num_ctas=132,
+            interpret=False,
+            lg_rows=4096,
+        )
 
 
 _BAD_CONFIGS = [
@@ -220,8 +296,14 @@ def test_configs_have_only_their_kernels_fields():
     """delay_release / logits_slots belong to the chain-in-wgmma kernel, epilogue_wgs / mma_registers /
     epilogue_slices / tile_k / auto_barriers / cluster to the ws kernel: the other kernel's config
     refuses them (no field), and the shared part is not a config of any kernel."""
-    ws_only = {"epilogue_wgs": 1, "mma_registers": 0, "epilogue_slices": 2, "tile_k": 64, "auto_barriers": False,
-               "cluster": 1}
+    ws_only = {
+        "epilogue_wgs": 1,
+        "mma_registers": 0,
+        "epilogue_slices": 2,
+        "tile_k": 64,
+        "auto_barriers": False,
+        "cluster": 1,
+    }
     wgmma_only = {"delay_release": 0, "logits_slots": 2}
     for key, val in ws_only.items():
         with pytest.raises(TypeError):
@@ -235,12 +317,19 @@ def test_configs_have_only_their_kernels_fields():
         tuning.BUCKETS["small"].block_m = 128
 
 
-@pytest.mark.parametrize("bad,what", [
-    (dict(rows=48), "rows"), (dict(rows=128), "rows"), (dict(chunk=0), "chunk"), (dict(chunk=257), "chunk"),
-    (dict(chunk=6), "chunk"),  # rows=32: a multiple of 4
-    (dict(rows=64, chunk=3), "chunk"),  # rows=64: a multiple of 2
-    (dict(unroll=0), "unroll"), (dict(staged=1), "staged"),
-])
+@pytest.mark.parametrize(
+    "bad,what",
+    [
+        (dict(rows=48), "rows"),
+        (dict(rows=128), "rows"),
+        (dict(chunk=0), "chunk"),
+        (dict(chunk=257), "chunk"),
+        (dict(chunk=6), "chunk"),  # rows=32: a multiple of 4
+        (dict(rows=64, chunk=3), "chunk"),  # rows=64: a multiple of 2
+        (dict(unroll=0), "unroll"),
+        (dict(staged=1), "staged"),
+    ],
+)
 def test_fold_config_refuses_bad_values(bad, what):
     with pytest.raises(ValueError, match=what):
         tuning.FoldConfig(**bad)
@@ -255,15 +344,29 @@ def test_fold_knobs_are_fold_config_fields():
     with pytest.raises(TypeError, match="unknown fold knobs"):
         sm90_fold.config(rows_per_cta=32)
     with pytest.raises(ValueError, match="chunk"):
-        pk.fold(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32), np.zeros(2, np.float32),
-                np.zeros(2, np.int32), np.ones(2, np.float32), 100, interpret=True, chunk=5)
+        pk.fold(
+            np.zeros((2, 3), np.float32),
+            np.zeros((2, 3), np.float32),
+            np.zeros(2, np.float32),
+            np.zeros(2, np.int32),
+            np.ones(2, np.float32),
+            100,
+            interpret=True,
+            chunk=5,
+        )
 
 
-@pytest.mark.parametrize("bad,what", [
-    (dict(block_m=32), "block_m"), (dict(num_compute_wgs=3), "num_compute_wgs"), (dict(block_n=320), "block_n"),
-    (dict(block_n=100), "block_n"), (dict(max_concurrent_steps=0), "max_concurrent_steps"),
-    (dict(col_group=-1), "col_group"),
-])
+@pytest.mark.parametrize(
+    "bad,what",
+    [
+        (dict(block_m=32), "block_m"),
+        (dict(num_compute_wgs=3), "num_compute_wgs"),
+        (dict(block_n=320), "block_n"),
+        (dict(block_n=100), "block_n"),
+        (dict(max_concurrent_steps=0), "max_concurrent_steps"),
+        (dict(col_group=-1), "col_group"),
+    ],
+)
 def test_dz_config_refuses_bad_values(bad, what):
     with pytest.raises(ValueError, match=what):
         tuning.DzConfig(**bad)
@@ -292,8 +395,17 @@ def test_partials_refuses_a_config_of_no_kernel():
     h = jnp.zeros((4, 128), jnp.bfloat16)
     w = jnp.zeros((64, 128), jnp.bfloat16)
     with pytest.raises(TypeError):
-        pk.partials(h, w, None, jnp.zeros((4,), jnp.int32), jnp.ones((4,), jnp.float32), vocab_size=64,
-                    padded_vocab_size=64, bucket=tuning.FOLD, interpret=True)
+        pk.partials(
+            h,
+            w,
+            None,
+            jnp.zeros((4,), jnp.int32),
+            jnp.ones((4,), jnp.float32),
+            vocab_size=64,
+            padded_vocab_size=64,
+            bucket=tuning.FOLD,
+            interpret=True,
+        )
 
 
 def test_cluster_refused_in_interpret_mode():
@@ -301,8 +413,17 @@ def test_cluster_refused_in_interpret_mode():
     h = jnp.zeros((4, 128), jnp.bfloat16)
     w = jnp.zeros((64, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="multicast"):
-        pk.partials(h, w, None, jnp.zeros((4,), jnp.int32), jnp.ones((4,), jnp.float32), vocab_size=64,
-                    padded_vocab_size=64, bucket=c2, interpret=True)
+        pk.partials(
+            h,
+            w,
+            None,
+            jnp.zeros((4,), jnp.int32),
+            jnp.ones((4,), jnp.float32),
+            vocab_size=64,
+            padded_vocab_size=64,
+            bucket=c2,
+            interpret=True,
+        )
 
 
 def test_supports_and_input_errors():
@@ -316,8 +437,15 @@ def test_supports_and_input_errors():
     with pytest.raises(ValueError, match="bf16"):
         pk.partials(h.astype(jnp.float32), w, None, t, it, vocab_size=64, padded_vocab_size=64)
     with pytest.raises(ValueError, match="multiple of 64"):
-        pk.partials(jnp.zeros((4, 96), jnp.bfloat16), jnp.zeros((64, 96), jnp.bfloat16), None, t, it,
-                    vocab_size=64, padded_vocab_size=64)
+        pk.partials(
+            jnp.zeros((4, 96), jnp.bfloat16),
+            jnp.zeros((64, 96), jnp.bfloat16),
+            None,
+            t,
+            it,
+            vocab_size=64,
+            padded_vocab_size=64,
+        )
     with pytest.raises(ValueError, match="cover"):
         pk.partials(h, w, None, t, it, vocab_size=100, padded_vocab_size=128)
     assert pk.BACKEND_NAME == "pallas_sm90"
@@ -332,8 +460,19 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None):
     it = jax.ShapeDtypeStruct((n,), jnp.float32)
 
     def f(h, w, b, t, it):
-        return pk.partials(h, w, b, t, it, vocab_size=v, padded_vocab_size=vp, col_offset=col_offset,
-                           shard_cols=shard_cols, return_logits=logits, bucket=bucket)
+        return pk.partials(
+            h,
+            w,
+            b,
+            t,
+            it,
+            vocab_size=v,
+            padded_vocab_size=vp,
+            col_offset=col_offset,
+            shard_cols=shard_cols,
+            return_logits=logits,
+            bucket=bucket,
+        )
 
     jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",))
 
@@ -349,10 +488,18 @@ def test_cluster_forward_lowers_for_cuda():
     _lower(300, 192, 1000, 1024, c2, bias=True, logits=True)
 
 
-@pytest.mark.parametrize("n,n_split,knobs", [
-    (300, 264, {}), (1, 37, {}), (5, 9, {"chunk": 4}), (70, 1, {}), (3, 1000, {}),
-    (300, 264, {"staged": False}), (64, 264, {"rows": 64}),
-])
+@pytest.mark.parametrize(
+    "n,n_split,knobs",
+    [
+        (300, 264, {}),
+        (1, 37, {}),
+        (5, 9, {"chunk": 4}),
+        (70, 1, {}),
+        (3, 1000, {}),
+        (300, 264, {"staged": False}),
+        (64, 264, {"rows": 64}),
+    ],
+)
 def test_fold_lowers_for_cuda(n, n_split, knobs):
     a = jax.ShapeDtypeStruct((n, n_split), jnp.float32)
     v = jax.ShapeDtypeStruct((n,), jnp.float32)

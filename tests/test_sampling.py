@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import bits
 from detlogp_jax.sampling import (
     SampleResult,
     SamplingProgram,
@@ -14,6 +13,7 @@ from detlogp_jax.sampling import (
     processed_logprobs,
     sample,
 )
+from tests.helpers import bits
 
 PROGRAMS = [
     SamplingProgram(),
@@ -53,7 +53,7 @@ def test_replay_is_batch_invariant_and_jit_stable():
     np.testing.assert_array_equal(np.asarray(jitted.token), np.asarray(res.token))
     np.testing.assert_array_equal(bits(jitted.processed_logprob), bits(res.processed_logprob))
     for i in (0, 7, 15):
-        one = processed_logprob(logits[i:i + 1], program, res.token[i:i + 1])
+        one = processed_logprob(logits[i : i + 1], program, res.token[i : i + 1])
         assert bits(one)[0] == bits(res.processed_logprob)[i]
     table = processed_logprobs(logits, program)
     for i in (0, 9):
@@ -109,8 +109,9 @@ def test_top_k_ties():
     lp = np.asarray(processed_logprobs(logits, SamplingProgram(top_k=4)))
     np.testing.assert_array_equal(np.isfinite(lp), [False, True, True, True, True])
     # k >= V keeps everything, identical to top_k off.
-    np.testing.assert_array_equal(bits(processed_logprobs(logits, SamplingProgram(top_k=5))),
-                                  bits(processed_logprobs(logits, SamplingProgram())))
+    np.testing.assert_array_equal(
+        bits(processed_logprobs(logits, SamplingProgram(top_k=5))), bits(processed_logprobs(logits, SamplingProgram()))
+    )
 
 
 def kept(lp):
@@ -124,8 +125,9 @@ def test_top_p_semantics():
         lp = processed_logprobs(logits, SamplingProgram(top_p=top_p))
         np.testing.assert_array_equal(kept(lp), np.array(expect, bool), err_msg=str(top_p))
     # Always keep the first token, even for tiny top_p.
-    np.testing.assert_array_equal(kept(processed_logprobs(logits, SamplingProgram(top_p=1e-6))),
-                                  [False, True, False, False])
+    np.testing.assert_array_equal(
+        kept(processed_logprobs(logits, SamplingProgram(top_p=1e-6))), [False, True, False, False]
+    )
 
 
 def test_min_p_semantics():
@@ -157,8 +159,9 @@ def test_renormalised_values_and_temperature():
     p = SamplingProgram(temperature=0.37, top_p=0.9)
     assert p.inv_temperature == np.float32(1) / np.float32(0.37)
     pre = logits * p.inv_temperature
-    np.testing.assert_array_equal(bits(processed_logprobs(logits, p)),
-                                  bits(processed_logprobs(pre, SamplingProgram(top_p=0.9))))
+    np.testing.assert_array_equal(
+        bits(processed_logprobs(logits, p)), bits(processed_logprobs(pre, SamplingProgram(top_p=0.9)))
+    )
 
 
 def test_sampling_frequencies_and_masked_tokens():
@@ -189,19 +192,35 @@ def test_logp_from_op_table_and_callable():
 def test_bf16_logits_upcast_exactly():
     logits = rand_logits(8, (3, 20)).astype(jnp.bfloat16)
     p = SamplingProgram(top_p=0.7)
-    np.testing.assert_array_equal(bits(processed_logprobs(logits, p)),
-                                  bits(processed_logprobs(logits.astype(jnp.float32), p)))
+    np.testing.assert_array_equal(
+        bits(processed_logprobs(logits, p)), bits(processed_logprobs(logits.astype(jnp.float32), p))
+    )
     with pytest.raises(TypeError):
         processed_logprobs(jnp.zeros((2, 3), jnp.int32), p)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("inf")),
-    dict(temperature=float("nan")), dict(temperature=1e-50), dict(temperature=1e40),
-    dict(temperature="1"), dict(top_k=-1), dict(top_k=1.5), dict(top_k=True),
-    dict(top_p=0.0), dict(top_p=1.01), dict(top_p=float("nan")), dict(top_p=-0.5),
-    dict(min_p=1.0), dict(min_p=-0.1), dict(min_p=float("nan")),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0),
+        dict(temperature=-1.0),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(temperature=1e-50),
+        dict(temperature=1e40),
+        dict(temperature="1"),
+        dict(top_k=-1),
+        dict(top_k=1.5),
+        dict(top_k=True),
+        dict(top_p=0.0),
+        dict(top_p=1.01),
+        dict(top_p=float("nan")),
+        dict(top_p=-0.5),
+        dict(min_p=1.0),
+        dict(min_p=-0.1),
+        dict(min_p=float("nan")),
+    ],
+)
 def test_invalid_programs_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingProgram(**kwargs)

@@ -38,16 +38,22 @@ def nojax_python(tmp_path_factory):
 def gpujax_python(tmp_path_factory):
     """A Python whose (fake) jax is the pinned version and reports a GPU, as on our H200 device."""
     py = _venv_python(str(tmp_path_factory.mktemp("gpujax") / "venv"))
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     os.makedirs(os.path.join(site, "jax"))
     with open(os.path.join(site, "jax", "__init__.py"), "w") as f:
-        f.write(textwrap.dedent("""\
+        f.write(
+            textwrap.dedent("""\
             import types
             __version__ = "0.11.2"
             def devices():
                 return [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")]
-            """))
+            """)
+        )
     return py
 
 
@@ -66,8 +72,9 @@ def fake_bin(tmp_path, name="bin", *, driver=None, exit_code=0):
 
 
 def base_env(tmp_path, python, path_prefix=None, **extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DETLOGP_", "JAX_", "PYTEST_")) and k != "PYTHONPATH"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("DETLOGP_", "JAX_", "PYTEST_")) and k != "PYTHONPATH"
+    }
     env["DETLOGP_VENV"] = str(tmp_path / "venv")
     if python is not None:
         env["DETLOGP_PYTHON"] = python
@@ -78,8 +85,9 @@ def base_env(tmp_path, python, path_prefix=None, **extra):
 
 
 def run(script, env, *args, timeout=120):
-    proc = subprocess.run(["bash", os.path.join(ROOT, script), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, script), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -90,15 +98,14 @@ def plan(script, env):
     lines = {}
     for line in out.splitlines():
         assert line.startswith("[plan] "), line
-        key, _, value = line[len("[plan] "):].partition(": ")
+        key, _, value = line[len("[plan] ") :].partition(": ")
         lines[key] = value
     return lines
 
 
 def path_without_nvidia_smi(env):
     """PATH minus every directory holding an nvidia-smi; None if that would drop bash/coreutils."""
-    dirs = [d for d in env["PATH"].split(os.pathsep)
-            if d and not os.path.exists(os.path.join(d, "nvidia-smi"))]
+    dirs = [d for d in env["PATH"].split(os.pathsep) if d and not os.path.exists(os.path.join(d, "nvidia-smi"))]
     path = os.pathsep.join(dirs)
     if all(shutil.which(tool, path=path) for tool in ("bash", "sha256sum", "timeout", "grep", "sed")):
         return path
@@ -183,8 +190,9 @@ def test_plan_installs_nothing(tmp_path, nojax_python):
     stamp.write_text("platform=cpu lock=requirements/cpu.lock sha256=0\n")
     before = sorted((str(q), q.stat().st_mtime_ns) for q in venv.rglob("*"))
     p = plan("scripts/test.sh", env)
-    assert p["venv"].endswith("(holds platform cpu, not cuda13: would delete it, create it again and "
-                              "install requirements/cuda13.lock)"), p
+    assert p["venv"].endswith(
+        "(holds platform cpu, not cuda13: would delete it, create it again and install requirements/cuda13.lock)"
+    ), p
     p = plan("scripts/test.sh", dict(env, DETLOGP_PLATFORM="cpu"))
     assert "requirements/cpu.lock changed since it was installed" in p["venv"], p
     assert sorted((str(q), q.stat().st_mtime_ns) for q in venv.rglob("*")) == before
@@ -193,9 +201,14 @@ def test_plan_installs_nothing(tmp_path, nojax_python):
 # ids: a bare "gpu" id would be a keyword that conftest's no-Hopper skip matches.
 @pytest.mark.parametrize("value", ["gpu", "CUDA13", "cuda"], ids=lambda v: f"DETLOGP_PLATFORM={v}")
 def test_unknown_platform_fails_with_the_choices(tmp_path, nojax_python, value):
-    rc, out, err = run("scripts/test.sh", base_env(tmp_path, nojax_python, DETLOGP_PLATFORM=value, DETLOGP_SETUP="plan"))
+    rc, out, err = run(
+        "scripts/test.sh", base_env(tmp_path, nojax_python, DETLOGP_PLATFORM=value, DETLOGP_SETUP="plan")
+    )
     assert rc == 2 and out == ""
-    assert err == f"error: DETLOGP_PLATFORM='{value}' is not one of auto, cpu, cuda12, cuda13, system (unset it for auto)\n"
+    assert (
+        err
+        == f"error: DETLOGP_PLATFORM='{value}' is not one of auto, cpu, cuda12, cuda13, system (unset it for auto)\n"
+    )
 
 
 def test_unknown_setup_mode_fails(tmp_path, nojax_python):
@@ -229,8 +242,13 @@ def test_missing_python(tmp_path):
 def test_system_with_a_gpu_jax_cannot_see_fails(tmp_path):
     # The real interpreter, its jax held to CPU by the user's JAX_PLATFORMS: the setup must refuse
     # to run on CPU when nvidia-smi reports a GPU.
-    env = base_env(tmp_path, sys.executable, fake_bin(tmp_path, driver=CUDA13_DRIVER),
-                   DETLOGP_PLATFORM="system", JAX_PLATFORMS="cpu")
+    env = base_env(
+        tmp_path,
+        sys.executable,
+        fake_bin(tmp_path, driver=CUDA13_DRIVER),
+        DETLOGP_PLATFORM="system",
+        JAX_PLATFORMS="cpu",
+    )
     rc, out, err = run("scripts/run.sh", env, "--help")
     assert rc == 1 and out == "" and err.count("\n") == 1, (out, err)
     assert err.startswith("error: this machine has an NVIDIA GPU (driver 580.159.04) but jax in ")
@@ -255,8 +273,15 @@ def test_system_run_prints_the_check_line_and_no_tpu_noise(tmp_path):
 
 def test_failed_install_is_one_error_line_with_the_fix(tmp_path):
     # A real venv (no network needed) and a pip that can reach no index: it fails at once.
-    env = base_env(tmp_path, sys.executable, fake_bin(tmp_path, exit_code=9), DETLOGP_PLATFORM="cpu",
-                   PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", TMPDIR=str(tmp_path))
+    env = base_env(
+        tmp_path,
+        sys.executable,
+        fake_bin(tmp_path, exit_code=9),
+        DETLOGP_PLATFORM="cpu",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        TMPDIR=str(tmp_path),
+    )
     env = {k: v for k, v in env.items() if k not in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")}
     rc, out, err = run("scripts/run.sh", env, "--help", timeout=300)
     assert rc == 1 and out == "", (out, err)
@@ -264,7 +289,10 @@ def test_failed_install_is_one_error_line_with_the_fix(tmp_path):
     assert lines[0].startswith("[setup] venv ") and "absent; creating it for cpu" in lines[0]
     assert lines[1] == "[setup] installing requirements/cpu.lock (42 packages) into %s ... failed" % (tmp_path / "venv")
     assert any(line.startswith("  pip| ") for line in lines[2:-1])
-    assert lines[-1].startswith("error: pip could not install requirements/cpu.lock") and "DETLOGP_PLATFORM=system" in lines[-1]
+    assert (
+        lines[-1].startswith("error: pip could not install requirements/cpu.lock")
+        and "DETLOGP_PLATFORM=system" in lines[-1]
+    )
     assert not (tmp_path / "venv" / ".detlogp-lock").exists()  # the next run starts over
     rc, out, _ = run("scripts/run.sh", dict(env, DETLOGP_SETUP="plan"))
     assert "records no lock" in out

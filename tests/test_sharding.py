@@ -55,7 +55,9 @@ def _launch_all():
     for suite in ("qwen", "other"):
         out = os.path.join(tmp, f"{suite}.json")
         log = open(os.path.join(tmp, f"{suite}.log"), "w")
-        p = subprocess.Popen([sys.executable, CASES, "suite", suite, out], env=_env(8), stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            [sys.executable, CASES, "suite", suite, out], env=_env(8), stdout=log, stderr=subprocess.STDOUT
+        )
         _RUNS[suite] = (p, out, log.name)
     _RUNS["mp"] = _launch_mp(tmp)
 
@@ -77,8 +79,15 @@ def _launch_mp(tmp):
     for pid in (0, 1):
         log = open(os.path.join(mp_dir, f"worker{pid}.log"), "w")
         procs.append(
-            (subprocess.Popen([sys.executable, CASES, "mp-worker", str(pid), str(port), mp_dir], env=_env(1),
-                              stdout=log, stderr=subprocess.STDOUT), log.name)
+            (
+                subprocess.Popen(
+                    [sys.executable, CASES, "mp-worker", str(pid), str(port), mp_dir],
+                    env=_env(1),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log.name,
+            )
         )
     return procs, mp_dir
 
@@ -203,18 +212,28 @@ def test_two_processes_tp2_match_single_process():
             pytest.fail(f"multi-process worker timed out:\n{open(log).read()[-4000:]}")
         assert p.returncode == 0, f"worker failed:\n{open(log).read()[-6000:]}"
 
-    from detlogp_jax import linear_logp
     from sharding_cases import MP_CASE, make_case
 
+    from detlogp_jax import linear_logp
+
     case = make_case(MP_CASE)
-    ref = linear_logp(case["h"], case["w"], case["t"], bias=case["b"], temperature=case["temp"],
-                      vocab_size=case["vocab"], padded_vocab_size=case["vpad"], backend="reference")
+    ref = linear_logp(
+        case["h"],
+        case["w"],
+        case["t"],
+        bias=case["b"],
+        temperature=case["temp"],
+        vocab_size=case["vocab"],
+        padded_vocab_size=case["vpad"],
+        backend="reference",
+    )
     for pid in (0, 1):
         for name, want in (("logp", ref.logp), ("lse", ref.lse)):
             got = np.load(os.path.join(mp_dir, f"{name}_{pid}.npy"))
             assert got.shape == np.shape(want)
-            np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want, np.float32).view(np.uint32),
-                                          err_msg=f"process {pid} {name}")
+            np.testing.assert_array_equal(
+                got.view(np.uint32), np.asarray(want, np.float32).view(np.uint32), err_msg=f"process {pid} {name}"
+            )
 
 
 # --- validation (in-process, trace-time errors; no compile) --------------------------------

@@ -7,12 +7,11 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
-import jax
-
-from detlogp_jax import StrictModeError, CONTRACT_ID
+from detlogp_jax import CONTRACT_ID, StrictModeError
 from detlogp_jax.apps import parity
 from detlogp_jax.apps.metrics import compare_logp, per_step
 from detlogp_jax.apps.parity import ValidateConfig, resolve_config, run_validation
@@ -29,8 +28,16 @@ def report(tmp_path_factory):
     # matrix-matrix product, so the XLA baseline shows drift; the contract lane must not.
     out = tmp_path_factory.mktemp("validate")
     cfg = ValidateConfig(
-        preset="tiny", batch=1, steps=12, seed=3, top_k=50, top_p=0.95, temperature=0.8,
-        out_dir=str(out), name="validate_test", progress=False,
+        preset="tiny",
+        batch=1,
+        steps=12,
+        seed=3,
+        top_k=50,
+        top_p=0.95,
+        temperature=0.8,
+        out_dir=str(out),
+        name="validate_test",
+        progress=False,
     )
     return run_validation(cfg)
 
@@ -113,9 +120,17 @@ def test_defaults_off_hopper(monkeypatch):
     assert (cfg.backend, cfg.preset, cfg.batch, cfg.steps, cfg.strict) == ("reference", "small", 16, 32, True)
     assert cfg.out_dir.startswith(parity.DEFAULT_RESULTS_DIR + os.sep) and not os.path.isabs(cfg.out_dir)
     assert resolve_config(cfg) == cfg  # idempotent
-    explicit = resolve_config(ValidateConfig(backend="xla", preset="tiny", batch=2, steps=3, strict=False, out_dir=None))
+    explicit = resolve_config(
+        ValidateConfig(backend="xla", preset="tiny", batch=2, steps=3, strict=False, out_dir=None)
+    )
     assert (explicit.backend, explicit.preset, explicit.batch, explicit.steps, explicit.strict, explicit.out_dir) == (
-        "xla", "tiny", 2, 3, False, None)
+        "xla",
+        "tiny",
+        2,
+        3,
+        False,
+        None,
+    )
 
 
 def test_defaults_on_hopper(monkeypatch):
@@ -133,8 +148,9 @@ def test_git_rev_outside_a_checkout(monkeypatch, tmp_path):
 
 
 def test_fingerprint_mismatch_raises():
-    cfg = ValidateConfig(preset="tiny", batch=1, steps=2, out_dir=None, progress=False, baseline=False,
-                         corrupt_trainer_weight=True)
+    cfg = ValidateConfig(
+        preset="tiny", batch=1, steps=2, out_dir=None, progress=False, baseline=False, corrupt_trainer_weight=True
+    )
     with pytest.raises(FingerprintMismatchError, match="fingerprint mismatch"):
         run_validation(cfg)
 
@@ -167,14 +183,35 @@ def test_per_step_metrics():
 
 def test_main_job_in_a_fresh_clone_writes_only_its_out_dir(tmp_path):
     """The CLI with its default out dir, in a fresh clone: report + PNG land there, git status stays empty."""
-    if shutil.which("git") is None or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+    if (
+        shutil.which("git") is None
+        or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode
+    ):
         pytest.skip("not a git checkout")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", ROOT, str(clone)], check=True, timeout=120)
     env = {k: v for k, v in os.environ.items() if k not in ("DETLOGP_BACKEND", "DETLOGP_STRICT")}
     env.update(PYTHONPATH=str(clone), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "detlogp_jax.validate", "--preset", "tiny", "--batch", "2", "--steps", "3",
-                        "--time_reps", "1"], cwd=clone, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "detlogp_jax.validate",
+            "--preset",
+            "tiny",
+            "--batch",
+            "2",
+            "--steps",
+            "3",
+            "--time_reps",
+            "1",
+        ],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert lines[-1].startswith("VERDICT: PASS -- ")

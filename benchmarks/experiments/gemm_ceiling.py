@@ -17,11 +17,10 @@ from __future__ import annotations
 import itertools
 import json
 
-import numpy as np
-from absl import app, flags
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
 from benchmarks import baselines
@@ -33,39 +32,51 @@ flags.DEFINE_integer("gemm_m", 4096, "Rows.")
 
 
 def main(argv):
-  del argv
-  m = FLAGS.gemm_m
-  w = kt.weight()
-  h, _ = kt.inputs(m, 1)
-  flops = 2.0 * m * w.shape[0] * w.shape[1]
-  out = open(FLAGS.out, "w")
+    del argv
+    m = FLAGS.gemm_m
+    w = kt.weight()
+    h, _ = kt.inputs(m, 1)
+    flops = 2.0 * m * w.shape[0] * w.shape[1]
+    out = open(FLAGS.out, "w")
 
-  def record(name, res, **extra):
-    row = {"name": name, "m": m, **res, **extra}
-    if "median_ms" in res:
-      row["tflops"] = flops / (res["median_ms"] * 1e-3) / 1e12
-    out.write(json.dumps(row) + "\n")
-    out.flush()
-    print(json.dumps(row), flush=True)
+    def record(name, res, **extra):
+        row = {"name": name, "m": m, **res, **extra}
+        if "median_ms" in res:
+            row["tflops"] = flops / (res["median_ms"] * 1e-3) / 1e12
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(json.dumps(row), flush=True)
 
-  calls, samples = (6, 9) if m <= 4096 else (3, 7)
-  ref, res = kt.time_calls(jax.jit(baselines.gemm), [(h, w)], calls, samples)
-  record("xla gemm (cuBLAS)", res)
-  ref = np.asarray(ref, np.float32)
-  wt = jax.block_until_ready(jnp.asarray(w).T.copy())  # [D, V]
-  sweep = itertools.product((128,), (128, 192), (hm.MatmulDimension.N, hm.MatmulDimension.M),
-                            (hm.MatmulDimension.N, hm.MatmulDimension.M), (4, 16))
-  for tile_m, tile_n, wg_dim, minor, width in sweep:
-    cfg = hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4, grid_minor_dim=minor,
-                          grid_tile_width=width, wg_dimension=wg_dim)
-    name = f"pallas hopper_matmul_mgpu tile {tile_m}x{tile_n} wg={wg_dim} minor={minor} width={width}"
-    try:
-      o, res = kt.time_calls(jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)), [(h, wt)], calls, samples)
-      ok = bool(np.allclose(np.asarray(o, np.float32), ref, rtol=2e-2, atol=2e-2))
-      record(name, res, allclose_to_xla=ok)
-    except Exception as e:  # a config that does not fit (shared memory, divisibility) is skipped
-      record(name, {"error": f"{type(e).__name__}: {str(e)[:200]}"})
+    calls, samples = (6, 9) if m <= 4096 else (3, 7)
+    ref, res = kt.time_calls(jax.jit(baselines.gemm), [(h, w)], calls, samples)
+    record("xla gemm (cuBLAS)", res)
+    ref = np.asarray(ref, np.float32)
+    wt = jax.block_until_ready(jnp.asarray(w).T.copy())  # [D, V]
+    sweep = itertools.product(
+        (128,),
+        (128, 192),
+        (hm.MatmulDimension.N, hm.MatmulDimension.M),
+        (hm.MatmulDimension.N, hm.MatmulDimension.M),
+        (4, 16),
+    )
+    for tile_m, tile_n, wg_dim, minor, width in sweep:
+        cfg = hm.TuningConfig(
+            tile_m=tile_m,
+            tile_n=tile_n,
+            tile_k=64,
+            max_concurrent_steps=4,
+            grid_minor_dim=minor,
+            grid_tile_width=width,
+            wg_dimension=wg_dim,
+        )
+        name = f"pallas hopper_matmul_mgpu tile {tile_m}x{tile_n} wg={wg_dim} minor={minor} width={width}"
+        try:
+            o, res = kt.time_calls(jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)), [(h, wt)], calls, samples)
+            ok = bool(np.allclose(np.asarray(o, np.float32), ref, rtol=2e-2, atol=2e-2))
+            record(name, res, allclose_to_xla=ok)
+        except Exception as e:  # a config that does not fit (shared memory, divisibility) is skipped
+            record(name, {"error": f"{type(e).__name__}: {str(e)[:200]}"})
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

@@ -14,15 +14,14 @@ import dataclasses
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-import jax
-import jax.numpy as jnp
-
+import pallas_kernels as pk
 from benchmarks import cases, shapes
 from detlogp_jax import contract as C
-import pallas_kernels as pk
 from pallas_kernels import sm90_forward_wgmma, sm90_forward_ws, tuning
 
 flags.DEFINE_string("out", "/tmp/probe.jsonl", "JSON lines output.")
@@ -33,86 +32,100 @@ F32 = jnp.float32
 
 
 def inputs(m, seed):
-  """(hidden, targets) of the benchmark runner's input set `seed` at M = m."""
-  [(h, t)] = cases.make_inputs(SHAPE, jnp.bfloat16, seed, m)
-  return h, t
+    """(hidden, targets) of the benchmark runner's input set `seed` at M = m."""
+    [(h, t)] = cases.make_inputs(SHAPE, jnp.bfloat16, seed, m)
+    return h, t
 
 
 def weight():
-  """The benchmark runner's Qwen3-8B lm_head weight [V_ROWS, D] bf16."""
-  return cases.make_weight(SHAPE, jnp.bfloat16, seed=99)
+    """The benchmark runner's Qwen3-8B lm_head weight [V_ROWS, D] bf16."""
+    return cases.make_weight(SHAPE, jnp.bfloat16, seed=99)
 
 
 def time_calls(fn, arg_sets, calls, samples):
-  """(first output, {median_ms, min_ms, max_ms}): `samples` samples of `calls` back-to-back
-  calls with one synchronization each (device time per call), after two warm-up calls."""
-  out = fn(*arg_sets[0])
-  jax.block_until_ready(out)
-  for i in range(2):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-  times = []
-  for s in range(samples):
-    t0 = time.perf_counter()
-    outs = [fn(*arg_sets[(s * calls + j) % len(arg_sets)]) for j in range(calls)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) / calls * 1e3)
-    del outs
-  return out, {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    """(first output, {median_ms, min_ms, max_ms}): `samples` samples of `calls` back-to-back
+    calls with one synchronization each (device time per call), after two warm-up calls."""
+    out = fn(*arg_sets[0])
+    jax.block_until_ready(out)
+    for i in range(2):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for s in range(samples):
+        t0 = time.perf_counter()
+        outs = [fn(*arg_sets[(s * calls + j) % len(arg_sets)]) for j in range(calls)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+        del outs
+    return out, {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 
 
 def calls_for(m):
-  """Back-to-back calls per timed sample at M = m."""
-  return 20 if m <= 256 else (6 if m <= 4096 else 3)
+    """Back-to-back calls per timed sample at M = m."""
+    return 20 if m <= 256 else (6 if m <= 4096 else 3)
 
 
 def forward_build(cfg):
-  """The `build` of the forward kernel this config is for."""
-  if isinstance(cfg, tuning.WsForwardConfig):
-    return sm90_forward_ws.build
-  if isinstance(cfg, tuning.WgmmaForwardConfig):
-    return sm90_forward_wgmma.build
-  raise TypeError(f"not a forward kernel config: {cfg!r}")
+    """The `build` of the forward kernel this config is for."""
+    if isinstance(cfg, tuning.WsForwardConfig):
+        return sm90_forward_ws.build
+    if isinstance(cfg, tuning.WgmmaForwardConfig):
+        return sm90_forward_wgmma.build
+    raise TypeError(f"not a forward kernel config: {cfg!r}")
 
 
 def kernel_fn(m, cfg, *, return_logits=False):
-  """(run, prep): a jitted kernel-only call run(h_pad, w, t_pad, inv_t_pad) on pre-padded
-  operands (as `partials` builds them; no bias), and prep(h, t) -> (h_pad, t_pad, inv_t_pad)."""
-  geom = pk.shard_geometry(V_REAL, V_ROWS)
-  n_pad = tuning.padded_rows(m, cfg)
-  num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms() * cfg.ctas_per_sm)
-  lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
-  build = forward_build(cfg)
+    """(run, prep): a jitted kernel-only call run(h_pad, w, t_pad, inv_t_pad) on pre-padded
+    operands (as `partials` builds them; no bias), and prep(h, t) -> (h_pad, t_pad, inv_t_pad)."""
+    geom = pk.shard_geometry(V_REAL, V_ROWS)
+    n_pad = tuning.padded_rows(m, cfg)
+    num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms() * cfg.ctas_per_sm)
+    lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
+    build = forward_build(cfg)
 
-  def prep(h, t):
-    pad = n_pad - m
-    return (jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(t, (0, pad), constant_values=C.IGNORE_INDEX),
-            jnp.ones((n_pad,), F32))
+    def prep(h, t):
+        pad = n_pad - m
+        return (
+            jnp.pad(h, ((0, pad), (0, 0))),
+            jnp.pad(t, (0, pad), constant_values=C.IGNORE_INDEX),
+            jnp.ones((n_pad,), F32),
+        )
 
-  @jax.jit
-  def run(h, w, t, invt):
-    return build(n_pad=n_pad, d=D, lg_cols=V_ROWS, geom=geom, cfg=cfg, has_bias=False, return_logits=return_logits,
-                 num_ctas=num_ctas, interpret=False, interpret_params=None, lg_rows=lg_rows)(h, w, t, invt)
+    @jax.jit
+    def run(h, w, t, invt):
+        return build(
+            n_pad=n_pad,
+            d=D,
+            lg_cols=V_ROWS,
+            geom=geom,
+            cfg=cfg,
+            has_bias=False,
+            return_logits=return_logits,
+            num_ctas=num_ctas,
+            interpret=False,
+            interpret_params=None,
+            lg_rows=lg_rows,
+        )(h, w, t, invt)
 
-  return run, prep
+    return run, prep
 
 
 def bits_equal(a, b):
-  """Same shape and the same bytes (f32 viewed as uint32)."""
-  a, b = np.asarray(a), np.asarray(b)
-  return bool(a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+    """Same shape and the same bytes (f32 viewed as uint32)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return bool(a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
 def as_wgmma(cfg: tuning.ForwardConfig, **kw) -> tuning.WgmmaForwardConfig:
-  """The chain-in-wgmma config with cfg's shared launch fields (block_m, warpgroups, stages,
-  CTAs per SM, work order), then `kw` replaced (e.g. name=, max_concurrent_steps=)."""
-  shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tuning.ForwardConfig)}
-  return tuning.WgmmaForwardConfig(**{**shared, **kw})
+    """The chain-in-wgmma config with cfg's shared launch fields (block_m, warpgroups, stages,
+    CTAs per SM, work order), then `kw` replaced (e.g. name=, max_concurrent_steps=)."""
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tuning.ForwardConfig)}
+    return tuning.WgmmaForwardConfig(**{**shared, **kw})
 
 
 def as_ws(cfg: tuning.ForwardConfig, **kw) -> tuning.WsForwardConfig:
-  """The epilogue-warpgroup config with cfg's shared launch fields, then `kw` replaced."""
-  shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tuning.ForwardConfig)}
-  return tuning.WsForwardConfig(**{**shared, **kw})
+    """The epilogue-warpgroup config with cfg's shared launch fields, then `kw` replaced."""
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(tuning.ForwardConfig)}
+    return tuning.WsForwardConfig(**{**shared, **kw})
 
 
 # The prefill configuration before the epilogue warpgroup (chain in the wgmma warpgroups,

@@ -18,9 +18,8 @@ import statistics
 import subprocess
 import time
 
-from absl import app, flags
-
 import jax
+from absl import app, flags
 
 from benchmarks import baselines
 from benchmarks.experiments import kernel_timing as kt
@@ -33,46 +32,55 @@ flags.DEFINE_float("seconds", 4.0, "Seconds of back-to-back calls per variant.")
 
 
 def _sample(fn, args, seconds):
-  jax.block_until_ready(fn(*args))
-  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                          "-lms", "50"], stdout=subprocess.PIPE, text=True)
-  t0 = time.perf_counter()
-  calls = 0
-  while time.perf_counter() - t0 < seconds:
-    outs = [fn(*args) for _ in range(4)]
-    jax.block_until_ready(outs)
-    calls += 4
-  elapsed = time.perf_counter() - t0
-  smi.terminate()
-  text, _ = smi.communicate()
-  rows = [tuple(float(x) for x in line.split(",")) for line in text.strip().splitlines() if line.count(",") == 1]
-  settled = rows[len(rows) // max(1, int(seconds)):] or rows
-  return {"ms_per_call": elapsed / calls * 1e3, "calls": calls, "samples": len(settled),
-          "sm_mhz_median": statistics.median(r[0] for r in settled), "sm_mhz_min": min(r[0] for r in settled),
-          "power_w_median": statistics.median(r[1] for r in settled), "power_w_max": max(r[1] for r in settled)}
+    jax.block_until_ready(fn(*args))
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    t0 = time.perf_counter()
+    calls = 0
+    while time.perf_counter() - t0 < seconds:
+        outs = [fn(*args) for _ in range(4)]
+        jax.block_until_ready(outs)
+        calls += 4
+    elapsed = time.perf_counter() - t0
+    smi.terminate()
+    text, _ = smi.communicate()
+    rows = [tuple(float(x) for x in line.split(",")) for line in text.strip().splitlines() if line.count(",") == 1]
+    settled = rows[len(rows) // max(1, int(seconds)) :] or rows
+    return {
+        "ms_per_call": elapsed / calls * 1e3,
+        "calls": calls,
+        "samples": len(settled),
+        "sm_mhz_median": statistics.median(r[0] for r in settled),
+        "sm_mhz_min": min(r[0] for r in settled),
+        "power_w_median": statistics.median(r[1] for r in settled),
+        "power_w_max": max(r[1] for r in settled),
+    }
 
 
 def main(argv):
-  del argv
-  m = FLAGS.m
-  w = kt.weight()
-  h, t = kt.inputs(m, 1)
-  out = open(FLAGS.out, "w")
+    del argv
+    m = FLAGS.m
+    w = kt.weight()
+    h, t = kt.inputs(m, 1)
+    out = open(FLAGS.out, "w")
 
-  def record(name, res):
-    row = {"name": name, "m": m, **res}
-    out.write(json.dumps(row) + "\n")
-    out.flush()
-    print(json.dumps(row), flush=True)
+    def record(name, res):
+        row = {"name": name, "m": m, **res}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(json.dumps(row), flush=True)
 
-  ws = tuning.BUCKETS["prefill"]
-  run, prep = kt.kernel_fn(m, ws)
-  hp, tp, ip = prep(h, t)
-  record("pallas_sm90 prefill kernel", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
-  record("xla gemm alone (cuBLAS)", _sample(jax.jit(baselines.gemm), (h, w), FLAGS.seconds))
-  time.sleep(2)
-  record("pallas_sm90 prefill kernel (again)", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+    ws = tuning.BUCKETS["prefill"]
+    run, prep = kt.kernel_fn(m, ws)
+    hp, tp, ip = prep(h, t)
+    record("pallas_sm90 prefill kernel", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+    record("xla gemm alone (cuBLAS)", _sample(jax.jit(baselines.gemm), (h, w), FLAGS.seconds))
+    time.sleep(2)
+    record("pallas_sm90 prefill kernel (again)", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

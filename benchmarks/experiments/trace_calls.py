@@ -21,10 +21,9 @@ import tempfile
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from absl import app, flags
-
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 from benchmarks import cases, shapes
 from benchmarks.experiments.trace_summary import load_trace, summarize
@@ -42,35 +41,44 @@ flags.DEFINE_string("json", None, "Write the summary as JSON to this path.")
 
 
 def main(argv):
-  del argv
-  shape = shapes.get(FLAGS.shape)
-  spec = cases.CaseSpec(backend=FLAGS.backend, shape=shape, entry=FLAGS.entry, mode=FLAGS.mode)
-  why = cases.unavailable_reason(FLAGS.backend)
-  if why:
-    raise SystemExit(f"{FLAGS.backend}: {why}")
-  fn = jax.jit(cases.build(spec))
-  weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
-  [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
-  for _ in range(3):
-    jax.block_until_ready(fn(hidden, weight, targets))
-  trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="trace_calls_")
-  with jax.profiler.trace(trace_dir):
-    outs = [fn(hidden, weight, targets) for _ in range(FLAGS.calls)]
-    jax.block_until_ready(outs)
-  summary = summarize(load_trace(trace_dir), FLAGS.calls)
-  summary.update(shape=shape.name, m=FLAGS.m, backend=FLAGS.backend, entry=FLAGS.entry, mode=FLAGS.mode,
-                 device=str(jax.devices()[0].device_kind), trace_dir=trace_dir)
-  span = summary["span_us_per_call"]
-  print(f"{FLAGS.backend} {shape.name} M={FLAGS.m} {FLAGS.entry}/{FLAGS.mode} on {summary['device']}: "
+    del argv
+    shape = shapes.get(FLAGS.shape)
+    spec = cases.CaseSpec(backend=FLAGS.backend, shape=shape, entry=FLAGS.entry, mode=FLAGS.mode)
+    why = cases.unavailable_reason(FLAGS.backend)
+    if why:
+        raise SystemExit(f"{FLAGS.backend}: {why}")
+    fn = jax.jit(cases.build(spec))
+    weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
+    [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
+    for _ in range(3):
+        jax.block_until_ready(fn(hidden, weight, targets))
+    trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="trace_calls_")
+    with jax.profiler.trace(trace_dir):
+        outs = [fn(hidden, weight, targets) for _ in range(FLAGS.calls)]
+        jax.block_until_ready(outs)
+    summary = summarize(load_trace(trace_dir), FLAGS.calls)
+    summary.update(
+        shape=shape.name,
+        m=FLAGS.m,
+        backend=FLAGS.backend,
+        entry=FLAGS.entry,
+        mode=FLAGS.mode,
+        device=str(jax.devices()[0].device_kind),
+        trace_dir=trace_dir,
+    )
+    span = summary["span_us_per_call"]
+    print(
+        f"{FLAGS.backend} {shape.name} M={FLAGS.m} {FLAGS.entry}/{FLAGS.mode} on {summary['device']}: "
         f"{summary['scope']} events, busy {summary['busy_us_per_call']:.1f} us per call, "
-        f"span {('%.1f' % span) if span is not None else '-'} us per call ({FLAGS.calls} calls)")
-  print(f"{'us/call':>10} {'count':>7}  name")
-  for r in summary["rows"][: FLAGS.top]:
-    print(f"{r['us_per_call']:10.2f} {r['count']:7d}  {r['name'][:110]}")
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      json.dump(summary, f, indent=1)
+        f"span {('%.1f' % span) if span is not None else '-'} us per call ({FLAGS.calls} calls)"
+    )
+    print(f"{'us/call':>10} {'count':>7}  name")
+    for r in summary["rows"][: FLAGS.top]:
+        print(f"{r['us_per_call']:10.2f} {r['count']:7d}  {r['name'][:110]}")
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

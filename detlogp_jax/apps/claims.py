@@ -48,11 +48,15 @@ def build_rows(rollout, scores, provenance: dict) -> tuple[list[dict], dict[str,
     trainer = provenance.get("trainer", {})
     lane = "contract" if trainer.get("contract_bearing") else "main (non-contract)"
     be = trainer.get("backend")
-    pairs = [(lane, be, OP_CHECK, "contract_a", rollout.logp, scores.logp_a),
-             (lane, be, E2E_CHECK, "contract_b", rollout.logp, scores.logp_b)]
+    pairs = [
+        (lane, be, OP_CHECK, "contract_a", rollout.logp, scores.logp_a),
+        (lane, be, E2E_CHECK, "contract_b", rollout.logp, scores.logp_b),
+    ]
     if rollout.xla_logp is not None:
-        pairs += [("baseline", "xla", OP_CHECK, "xla_a", rollout.xla_logp, scores.xla_logp_a),
-                  ("baseline", "xla", E2E_CHECK, "xla_b", rollout.xla_logp, scores.xla_logp_b)]
+        pairs += [
+            ("baseline", "xla", OP_CHECK, "xla_a", rollout.xla_logp, scores.xla_logp_a),
+            ("baseline", "xla", E2E_CHECK, "xla_b", rollout.xla_logp, scores.xla_logp_b),
+        ]
     rows = [dict(lane=ln, backend=b, check=chk, **compare_logp(r, t)) for ln, b, chk, _, r, t in pairs]
     steps = {key: per_step(r, t) for _, _, _, key, r, t in pairs}
     return rows, steps
@@ -70,45 +74,61 @@ def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, stri
     op_exact = op["mismatch_count"] == 0 and op["nonfinite"] == 0
     body_only = bool(e2e["mismatch_count"]) and op["mismatch_count"] == 0
     claims = [
-        dict(key="operator",
-             claim="Operator: trainer logp bytes == rollout logp bytes for every sampled token (packed, shuffled, other M)",
-             status=_status(op_exact) if side_t.get("contract_bearing") else "N/A (non-contract backend)",
-             evidence=f"{op['mismatch_count']}/{op['rows']} rows differ, max_abs_diff={op['max_abs_diff']:.3g}, "
-                      f"max|K3|={op['max_abs_k3']:.3g}"),
-        dict(key="same_backend",
-             claim="Same backend and contract id on rollout (serve + logp) and trainer",
-             status=_status(same_backend),
-             evidence=f"rollout {side_r.get('backend')} / {side_r.get('contract_id')}; "
-                      f"trainer {side_t.get('backend')} / {side_t.get('contract_id')}"),
-        dict(key="no_fallback",
-             claim="No fallback observed" + (" (strict mode)" if strict else ""),
-             status=_status(not fallbacks),
-             evidence="none" if not fallbacks else "; ".join(map(str, fallbacks))),
-        dict(key="fingerprints",
-             claim="lm_head fingerprints equal (checked before scoring)",
-             status=_status(fingerprints["equal"]),
-             evidence=f"rollout {fingerprints['rollout']}, trainer {fingerprints['trainer']}"),
-        dict(key="replay",
-             claim="Sampler processed-logprob replay bit-exact (trainer replays from the op's logits, packed)",
-             status=_status(replay["bit_exact"] == replay["rows"]),
-             evidence=f"{replay['bit_exact']}/{replay['rows']} bit-exact"),
-        dict(key="end_to_end",
-             claim="End to end (trainer's own full-sequence forward)",
-             status="PASS" if e2e["mismatch_count"] == 0 else "DRIFT (body)" if op["mismatch_count"] == 0 else "DRIFT",
-             evidence=(f"{e2e['mismatch_count']}/{e2e['rows']} logp rows differ (max|K3|={e2e['max_abs_k3']:.3g}); "
-                       f"hidden states differ in {hidden['rows_differ']}/{hidden['rows']} rows "
-                       f"(max_abs_diff={hidden['max_abs_diff']:.3g})"
-                       + ("; the operator row is exact, so this drift is the body's (attention/FFN)" if body_only else ""))),
+        dict(
+            key="operator",
+            claim="Operator: trainer logp bytes == rollout logp bytes for every sampled token (packed, shuffled, other M)",
+            status=_status(op_exact) if side_t.get("contract_bearing") else "N/A (non-contract backend)",
+            evidence=f"{op['mismatch_count']}/{op['rows']} rows differ, max_abs_diff={op['max_abs_diff']:.3g}, "
+            f"max|K3|={op['max_abs_k3']:.3g}",
+        ),
+        dict(
+            key="same_backend",
+            claim="Same backend and contract id on rollout (serve + logp) and trainer",
+            status=_status(same_backend),
+            evidence=f"rollout {side_r.get('backend')} / {side_r.get('contract_id')}; "
+            f"trainer {side_t.get('backend')} / {side_t.get('contract_id')}",
+        ),
+        dict(
+            key="no_fallback",
+            claim="No fallback observed" + (" (strict mode)" if strict else ""),
+            status=_status(not fallbacks),
+            evidence="none" if not fallbacks else "; ".join(map(str, fallbacks)),
+        ),
+        dict(
+            key="fingerprints",
+            claim="lm_head fingerprints equal (checked before scoring)",
+            status=_status(fingerprints["equal"]),
+            evidence=f"rollout {fingerprints['rollout']}, trainer {fingerprints['trainer']}",
+        ),
+        dict(
+            key="replay",
+            claim="Sampler processed-logprob replay bit-exact (trainer replays from the op's logits, packed)",
+            status=_status(replay["bit_exact"] == replay["rows"]),
+            evidence=f"{replay['bit_exact']}/{replay['rows']} bit-exact",
+        ),
+        dict(
+            key="end_to_end",
+            claim="End to end (trainer's own full-sequence forward)",
+            status="PASS" if e2e["mismatch_count"] == 0 else "DRIFT (body)" if op["mismatch_count"] == 0 else "DRIFT",
+            evidence=(
+                f"{e2e['mismatch_count']}/{e2e['rows']} logp rows differ (max|K3|={e2e['max_abs_k3']:.3g}); "
+                f"hidden states differ in {hidden['rows_differ']}/{hidden['rows']} rows "
+                f"(max_abs_diff={hidden['max_abs_diff']:.3g})"
+                + ("; the operator row is exact, so this drift is the body's (attention/FFN)" if body_only else "")
+            ),
+        ),
     ]
     if len(rows) > 2:
         xa, xb = rows[2], rows[3]
-        claims.append(dict(
-            key="baseline",
-            claim="Baseline: XLA materialized logits (non-contract), same rows",
-            status="INFO",
-            evidence=f"operator {xa['mismatch_count']}/{xa['rows']} rows differ (max|K3|={xa['max_abs_k3']:.3g}); "
-                     f"end to end {xb['mismatch_count']}/{xb['rows']} (max|K3|={xb['max_abs_k3']:.3g})",
-        ))
+        claims.append(
+            dict(
+                key="baseline",
+                claim="Baseline: XLA materialized logits (non-contract), same rows",
+                status="INFO",
+                evidence=f"operator {xa['mismatch_count']}/{xa['rows']} rows differ (max|K3|={xa['max_abs_k3']:.3g}); "
+                f"end to end {xb['mismatch_count']}/{xb['rows']} (max|K3|={xb['max_abs_k3']:.3g})",
+            )
+        )
     return claims
 
 
@@ -141,17 +161,30 @@ def verdict(report: dict[str, Any]) -> str:
     if e2e["mismatch_count"] == 0:
         tail = f"no end-to-end drift between rollout and trainer either (0/{e2e['rows']} rows)"
     elif op["mismatch_count"] == 0:
-        tail = (f"end-to-end drift between rollout and trainer ({e2e['mismatch_count']}/{e2e['rows']} rows, "
-                f"max|K3| {e2e['max_abs_k3']:.3g}) comes from the model body's attention/FFN "
-                f"(hidden states differ in {hd['rows_differ']}/{hd['rows']} rows), not from the op")
+        tail = (
+            f"end-to-end drift between rollout and trainer ({e2e['mismatch_count']}/{e2e['rows']} rows, "
+            f"max|K3| {e2e['max_abs_k3']:.3g}) comes from the model body's attention/FFN "
+            f"(hidden states differ in {hd['rows_differ']}/{hd['rows']} rows), not from the op"
+        )
     else:
-        tail = (f"the op's own rows drift ({op['mismatch_count']}/{op['rows']}), so end-to-end drift "
-                f"({e2e['mismatch_count']}/{e2e['rows']} rows) is not the body's alone")
+        tail = (
+            f"the op's own rows drift ({op['mismatch_count']}/{op['rows']}), so end-to-end drift "
+            f"({e2e['mismatch_count']}/{e2e['rows']} rows) is not the body's alone"
+        )
     return head + ", ".join(passed) + "; " + tail + "."
 
 
-def build_report(setup, rollout, scores, replay_exact: int, fallback_warnings: list[str],
-                 op_timing: dict | None, *, command: str, git_rev: str | None) -> dict[str, Any]:
+def build_report(
+    setup,
+    rollout,
+    scores,
+    replay_exact: int,
+    fallback_warnings: list[str],
+    op_timing: dict | None,
+    *,
+    command: str,
+    git_rev: str | None,
+) -> dict[str, Any]:
     """The report dict (JSON-ready) of one run; `report["verdict"]` is its one-line summary.
 
     Keeps the field names of the committed reports (benchmarks/results/validate_*.json)
@@ -162,8 +195,11 @@ def build_report(setup, rollout, scores, replay_exact: int, fallback_warnings: l
     provs = setup.rec.records
     fallbacks = [role for role, p in provs.items() if p.get("fallback")] + fallback_warnings
     rows, steps = build_rows(rollout, scores, provs)
-    fingerprints = {"rollout": rollout.fingerprint, "trainer": scores.fingerprint,
-                    "equal": rollout.fingerprint == scores.fingerprint}
+    fingerprints = {
+        "rollout": rollout.fingerprint,
+        "trainer": scores.fingerprint,
+        "equal": rollout.fingerprint == scores.fingerprint,
+    }
     replay = {"bit_exact": replay_exact, "rows": N}
     hidden = {"rows_differ": scores.hidden_rows_differ, "rows": N, "max_abs_diff": scores.hidden_max_abs_diff}
     claims = build_claims(rows, provs, fallbacks, fingerprints, replay, hidden, cfg.strict)
@@ -188,7 +224,11 @@ def build_report(setup, rollout, scores, replay_exact: int, fallback_warnings: l
             "tp": cfg.tp,
         },
         "sampling_program": dataclasses.asdict(setup.program),
-        "shapes": {"rollout_rows_per_step": cfg.batch, "trainer_rows": N, "trainer_order": "shuffled (seeded permutation)"},
+        "shapes": {
+            "rollout_rows_per_step": cfg.batch,
+            "trainer_rows": N,
+            "trainer_order": "shuffled (seeded permutation)",
+        },
         "provenance": provs,
         "fallbacks": fallbacks,
         "fingerprints": fingerprints,

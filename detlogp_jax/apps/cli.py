@@ -18,8 +18,8 @@ import shlex
 import sys
 
 from detlogp_jax.apps import parity
-from detlogp_jax.backends import StrictModeError
 from detlogp_jax.apps.report import render_markdown, report_paths
+from detlogp_jax.backends import StrictModeError
 
 __all__ = ["define_flags", "main", "entry"]
 
@@ -31,18 +31,32 @@ def define_flags():
     F = flags.FLAGS
     if "preset" in F:
         return F
-    flags.DEFINE_enum("backend", None, ["auto", "reference", "pallas_sm90", "xla"],
-                      "Backend of the contract lane (default: pallas_sm90 on a Hopper GPU, else reference).")
-    flags.DEFINE_enum("preset", None, sorted(parity.PRESETS), "Model preset (default: qwen3_8b on a Hopper GPU, else small).")
-    flags.DEFINE_integer("batch", None, "Sequences (rollout rows per decode step; default 64 on a Hopper GPU, else 16).")
-    flags.DEFINE_integer("steps", None, "Decode steps (sampled tokens per sequence; default 128 on a Hopper GPU, else 32).")
+    flags.DEFINE_enum(
+        "backend",
+        None,
+        ["auto", "reference", "pallas_sm90", "xla"],
+        "Backend of the contract lane (default: pallas_sm90 on a Hopper GPU, else reference).",
+    )
+    flags.DEFINE_enum(
+        "preset", None, sorted(parity.PRESETS), "Model preset (default: qwen3_8b on a Hopper GPU, else small)."
+    )
+    flags.DEFINE_integer(
+        "batch", None, "Sequences (rollout rows per decode step; default 64 on a Hopper GPU, else 16)."
+    )
+    flags.DEFINE_integer(
+        "steps", None, "Decode steps (sampled tokens per sequence; default 128 on a Hopper GPU, else 32)."
+    )
     flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (needs sharding.linear_logp_tp for > 1).")
     flags.DEFINE_float("temperature", 1.0, "Sampling temperature (also the op's temperature).")
     flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
     flags.DEFINE_float("top_p", 1.0, "Top-p (1 = off).")
     flags.DEFINE_float("min_p", 0.0, "Min-p (0 = off).")
     flags.DEFINE_integer("seed", 0, "Seed (model init, prompts, sampling keys, trainer order).")
-    flags.DEFINE_string("out_dir", None, f"Where the .md/.json/.png go (default: a new ./{parity.DEFAULT_RESULTS_DIR}/<UTC timestamp>/).")
+    flags.DEFINE_string(
+        "out_dir",
+        None,
+        f"Where the .md/.json/.png go (default: a new ./{parity.DEFAULT_RESULTS_DIR}/<UTC timestamp>/).",
+    )
     flags.DEFINE_string("name", None, "Report basename (default validate_<platform>_<preset>).")
     flags.DEFINE_bool("strict", True, "Strict mode on the contract lane (no non-contract backend, no fallback).")
     flags.DEFINE_bool("baseline", True, "Also run the XLA materialized baseline lane.")
@@ -51,23 +65,55 @@ def define_flags():
     return F
 
 
-_FLAG_NAMES = ("backend", "preset", "batch", "steps", "tp", "temperature", "top_k", "top_p", "min_p", "seed",
-               "out_dir", "name", "strict", "baseline", "time_reps", "png")
+_FLAG_NAMES = (
+    "backend",
+    "preset",
+    "batch",
+    "steps",
+    "tp",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "out_dir",
+    "name",
+    "strict",
+    "baseline",
+    "time_reps",
+    "png",
+)
 
 
 def _config_from_flags(F) -> parity.ValidateConfig:
     command = " ".join(["python", "-m", "detlogp_jax.validate"] + [shlex.quote(a) for a in sys.argv[1:]])
     return parity.ValidateConfig(
-        backend=F.backend, preset=F.preset, batch=F.batch, steps=F.steps, tp=F.tp,
-        temperature=F.temperature, top_k=F.top_k, top_p=F.top_p, min_p=F.min_p, seed=F.seed,
-        out_dir=F.out_dir or "default", name=F.name, strict=F.strict, baseline=F.baseline,
-        time_reps=F.time_reps, png=F.png, command=command,
+        backend=F.backend,
+        preset=F.preset,
+        batch=F.batch,
+        steps=F.steps,
+        tp=F.tp,
+        temperature=F.temperature,
+        top_k=F.top_k,
+        top_p=F.top_p,
+        min_p=F.min_p,
+        seed=F.seed,
+        out_dir=F.out_dir or "default",
+        name=F.name,
+        strict=F.strict,
+        baseline=F.baseline,
+        time_reps=F.time_reps,
+        png=F.png,
+        command=command,
     )
 
 
 def _print_paths(when: str, files: dict) -> None:
     shown = {k: v for k, v in files.items() if v}
-    print(f"[validate] report {when}: " + ", ".join(shown[k] for k in ("markdown", "json", "png") if k in shown), flush=True)
+    print(
+        f"[validate] report {when}: " + ", ".join(shown[k] for k in ("markdown", "json", "png") if k in shown),
+        flush=True,
+    )
 
 
 def main(argv) -> int:
@@ -77,14 +123,19 @@ def main(argv) -> int:
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     cfg = parity.resolve_config(_config_from_flags(flags.FLAGS))
-    print(f"[validate] backend={cfg.backend} preset={cfg.preset} batch={cfg.batch} steps={cfg.steps} "
-          f"strict={cfg.strict}", flush=True)
+    print(
+        f"[validate] backend={cfg.backend} preset={cfg.preset} batch={cfg.batch} steps={cfg.steps} strict={cfg.strict}",
+        flush=True,
+    )
     _print_paths("to be written", report_paths(cfg.out_dir, cfg.name))
     try:
         report = parity.run_validation(cfg)
     except StrictModeError as e:
-        print(f"[validate] strict mode refused: {e}\n[validate] (--nostrict runs a non-contract or "
-              "fallback lane; its rows then carry no contract claim)", file=sys.stderr)
+        print(
+            f"[validate] strict mode refused: {e}\n[validate] (--nostrict runs a non-contract or "
+            "fallback lane; its rows then carry no contract claim)",
+            file=sys.stderr,
+        )
         return 2
     print(render_markdown(report), flush=True)
     _print_paths("written", report["files"])

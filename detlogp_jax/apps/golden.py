@@ -90,8 +90,14 @@ def platform_key(backend: str) -> str:
 def fingerprint_case(case: Case, backend: str) -> dict:
     h, w, t, b, temp = make_inputs(case)
     out = dl.linear_logp(
-        h, w, t, bias=b, temperature=temp if np.isscalar(temp) else jnp.asarray(temp),
-        vocab_size=case.vocab, padded_vocab_size=case.padded, backend=backend,
+        h,
+        w,
+        t,
+        bias=b,
+        temperature=temp if np.isscalar(temp) else jnp.asarray(temp),
+        vocab_size=case.vocab,
+        padded_vocab_size=case.padded,
+        backend=backend,
     )
     logp = np.asarray(jax.device_get(out.logp), np.float32)
     lse = np.asarray(jax.device_get(out.lse), np.float32)
@@ -145,7 +151,9 @@ def replay(backend: str, cases=None, record: bool = False, log=print, db: dict |
             results[case.name] = f"FAIL (served by {got['served_by']})"
         elif case.name not in stored:
             results[case.name] = "new"
-        elif {k: stored[case.name][k] for k in ("logp_sha256", "lse_sha256")} == {k: got[k] for k in ("logp_sha256", "lse_sha256")}:
+        elif {k: stored[case.name][k] for k in ("logp_sha256", "lse_sha256")} == {
+            k: got[k] for k in ("logp_sha256", "lse_sha256")
+        }:
             results[case.name] = "pass"
         else:
             results[case.name] = "FAIL"
@@ -157,15 +165,24 @@ def replay(backend: str, cases=None, record: bool = False, log=print, db: dict |
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m detlogp_jax.golden", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m detlogp_jax.golden", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--backend", default=None, help="default: the platform's preferred contract backend")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    p.add_argument("--fingerprints", default=None, metavar="FILE",
-                   help="records to replay against (default: the packaged detlogp_jax/apps/data/fingerprints.json)")
+    p.add_argument(
+        "--fingerprints",
+        default=None,
+        metavar="FILE",
+        help="records to replay against (default: the packaged detlogp_jax/apps/data/fingerprints.json)",
+    )
     p.add_argument("--record", action="store_true", help="record this machine's fingerprints (needs --out)")
-    p.add_argument("--out", default=None, metavar="FILE",
-                   help="with --record: where the records (those read + this machine's key) are written")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="with --record: where the records (those read + this machine's key) are written",
+    )
     return p
 
 
@@ -173,8 +190,11 @@ def main(argv=None) -> int:
     """The CLI; returns the exit status (0 pass, 1 a case failed, 2 no record / nothing replayed)."""
     args = _parser().parse_args(argv)
     if args.record and not args.out:
-        print("error: --record needs --out FILE (the packaged records are never rewritten in place; "
-              "name the file to write, e.g. --out fingerprints.json)", file=sys.stderr)
+        print(
+            "error: --record needs --out FILE (the packaged records are never rewritten in place; "
+            "name the file to write, e.g. --out fingerprints.json)",
+            file=sys.stderr,
+        )
         return 2
     source = args.fingerprints or f"packaged {PACKAGED}"
     db = load(args.fingerprints)
@@ -195,13 +215,18 @@ def main(argv=None) -> int:
     if args.record:
         return 0
     if out["key"] not in db:
-        print(f"error: no golden record for this machine's key {out['key']} in {source}; known keys: "
-              f"{sorted(db)}. Record one with --record --out FILE.", file=sys.stderr)
+        print(
+            f"error: no golden record for this machine's key {out['key']} in {source}; known keys: "
+            f"{sorted(db)}. Record one with --record --out FILE.",
+            file=sys.stderr,
+        )
         return 2
     if n_new or not n_pass:
         what = f"{n_new} case(s) without a record" if n_new else "no case replayed here"
-        print(f"error: {what} for {out['key']}; nothing may pass unchecked (record with --record --out FILE)",
-              file=sys.stderr)
+        print(
+            f"error: {what} for {out['key']}; nothing may pass unchecked (record with --record --out FILE)",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

@@ -46,17 +46,14 @@ import time
 import warnings
 from typing import Any, Callable
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from detlogp_jax import api
-from detlogp_jax import backends
+from detlogp_jax import api, backends, sampling
 from detlogp_jax import contract as C
 from detlogp_jax import fingerprint as fp_lib
-from detlogp_jax import sampling
 from detlogp_jax.apps import claims as claims_lib
 from detlogp_jax.apps import report as report_lib
 from detlogp_jax.apps.metrics import bits, row_mismatch
@@ -66,11 +63,31 @@ __all__ = ["PRESETS", "ValidateConfig", "hopper_available", "resolve_config", "r
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on a CPU: smoke runs and tests.
-    "tiny": dict(vocab_size=500, padded_vocab_size=512, d_model=32, n_layers=1, n_heads=2, d_ff=64, dtype="float32", prompt_len=4),
+    "tiny": dict(
+        vocab_size=500, padded_vocab_size=512, d_model=32, n_layers=1, n_heads=2, d_ff=64, dtype="float32", prompt_len=4
+    ),
     # CPU-sized: the reference backend walks K sequentially, keep D and V small.
-    "small": dict(vocab_size=1900, padded_vocab_size=2048, d_model=64, n_layers=2, n_heads=4, d_ff=128, dtype="float32", prompt_len=4),
+    "small": dict(
+        vocab_size=1900,
+        padded_vocab_size=2048,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=128,
+        dtype="float32",
+        prompt_len=4,
+    ),
     # Qwen3-8B's lm_head shape (D=4096, vocab 151936 padded 152064, bf16) on a light one-block body.
-    "qwen3_8b": dict(vocab_size=151936, padded_vocab_size=152064, d_model=4096, n_layers=1, n_heads=32, d_ff=4096, dtype="bfloat16", prompt_len=8),
+    "qwen3_8b": dict(
+        vocab_size=151936,
+        padded_vocab_size=152064,
+        d_model=4096,
+        n_layers=1,
+        n_heads=32,
+        d_ff=4096,
+        dtype="bfloat16",
+        prompt_len=8,
+    ),
 }
 
 DEFAULT_RESULTS_DIR = "detlogp-results"  # relative to the working directory; in .gitignore
@@ -206,8 +223,18 @@ class Progress:
 def _prov_record(p: C.Provenance | None) -> dict[str, Any] | None:
     if p is None:
         return None
-    fields = ("backend", "contract_id", "contract_bearing", "requested_backend", "fallback",
-              "vocab_size", "padded_vocab_size", "n_split", "platform", "device_kind")
+    fields = (
+        "backend",
+        "contract_id",
+        "contract_bearing",
+        "requested_backend",
+        "fallback",
+        "vocab_size",
+        "padded_vocab_size",
+        "n_split",
+        "platform",
+        "device_kind",
+    )
     return {f: getattr(p, f) for f in fields}
 
 
@@ -327,7 +354,9 @@ def run_rollout(s: Setup) -> Rollout:
             logits = m.head.logits(h)  # serving entry: FP32 logits [B, V]
             rec.mark("rollout_serve")
             res = sampling.sample(
-                logits, program, keys,
+                logits,
+                program,
+                keys,
                 logp_from_op=lambda tok: m.head(h, tok, temperature=temperature).logp,
             )
             rec.mark("rollout_logp")
@@ -431,8 +460,21 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
         s.prog.note("trainer: XLA baseline lane")
         xa = unpack(score_xla(trainer, h_a, tgt))
         xb = unpack(score_xla(trainer, h_b, tgt))
-    return TrainerScores(trainer, fp, perm, h_a, tgt, logp_a, logp_b, xa, xb, hid_rows, hid_mad,
-                         score, score_xla if cfg.baseline else None)
+    return TrainerScores(
+        trainer,
+        fp,
+        perm,
+        h_a,
+        tgt,
+        logp_a,
+        logp_b,
+        xa,
+        xb,
+        hid_rows,
+        hid_mad,
+        score,
+        score_xla if cfg.baseline else None,
+    )
 
 
 def replay_sampler(s: Setup, rollout: Rollout, ts: TrainerScores) -> int:
@@ -489,8 +531,12 @@ def time_scoring(s: Setup, ts: TrainerScores) -> dict[str, Any] | None:
     if reps <= 0:
         return None
     args = (ts.trainer, ts.h_packed, ts.targets_packed)
-    out = {"rows_per_call": int(ts.h_packed.shape[0]), "reps": reps,
-           "op_ms": _time_per_call(ts.score, args, reps), "xla_ms": None}
+    out = {
+        "rows_per_call": int(ts.h_packed.shape[0]),
+        "reps": reps,
+        "op_ms": _time_per_call(ts.score, args, reps),
+        "xla_ms": None,
+    }
     if ts.score_xla is not None:
         out["xla_ms"] = _time_per_call(ts.score_xla, args, reps)
     return out
@@ -536,8 +582,11 @@ def git_rev() -> str | None:
 
 def _config_repr(cfg: ValidateConfig) -> str:
     default = ValidateConfig()
-    parts = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-             if f.name != "command" and getattr(cfg, f.name) != getattr(default, f.name)]
+    parts = [
+        f"{f.name}={getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(cfg)
+        if f.name != "command" and getattr(cfg, f.name) != getattr(default, f.name)
+    ]
     return "ValidateConfig(" + ", ".join(parts) + ")"
 
 
@@ -573,8 +622,14 @@ def run_validation(config: ValidateConfig) -> dict[str, Any]:
     fallback_warnings = _split_warnings(caught)
 
     report = claims_lib.build_report(
-        setup, rollout, scores, replay_exact, fallback_warnings, op_timing,
-        command=cfg.command or f"run_validation({_config_repr(cfg)})", git_rev=git_rev(),
+        setup,
+        rollout,
+        scores,
+        replay_exact,
+        fallback_warnings,
+        op_timing,
+        command=cfg.command or f"run_validation({_config_repr(cfg)})",
+        git_rev=git_rev(),
     )
     report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     report["timings_s"]["total_s"] = round(time.perf_counter() - t_start, 3)

@@ -33,8 +33,10 @@ def _timing_line(t: dict | None) -> str:
         return "Op time per call: not measured (time_reps=0)."
     xla = f"{t['xla_ms']:.3f} ms" if t.get("xla_ms") is not None else "not run (no baseline lane)"
     ratio = f" ({t['op_ms'] / t['xla_ms']:.2f}x XLA's)" if t.get("xla_ms") else ""
-    return (f"Op time per call (the trainer's packed scoring, {t['rows_per_call']} rows, median of {t['reps']}): "
-            f"op {t['op_ms']:.3f} ms{ratio}, XLA materialized {xla}.")
+    return (
+        f"Op time per call (the trainer's packed scoring, {t['rows_per_call']} rows, median of {t['reps']}): "
+        f"op {t['op_ms']:.3f} ms{ratio}, XLA materialized {xla}."
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -107,9 +109,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     files = report.get("files")
     if files:
-        png = (f"`{os.path.basename(files['png'])}` (per decode step: rollout-vs-trainer mismatch count and max |K3| "
-               "of each lane and check" + (", op vs XLA time per call)" if report.get("op_timing") else ")")
-               if files.get("png") else f"none ({report.get('png_note')})")
+        png = (
+            f"`{os.path.basename(files['png'])}` (per decode step: rollout-vs-trainer mismatch count and max |K3| "
+            "of each lane and check" + (", op vs XLA time per call)" if report.get("op_timing") else ")")
+            if files.get("png")
+            else f"none ({report.get('png_note')})"
+        )
         lines += [
             "## Files",
             "",
@@ -122,10 +127,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 # key, label, color, line style, marker (hollow circles under crosses: coinciding series stay visible)
-_SERIES = (("contract_a", "contract lane (a) operator", "C0", "-", "o"),
-           ("contract_b", "contract lane (b) end to end", "C0", "--", "o"),
-           ("xla_a", "XLA lane (a) operator", "C3", "-", "x"),
-           ("xla_b", "XLA lane (b) end to end", "C3", "--", "x"))
+_SERIES = (
+    ("contract_a", "contract lane (a) operator", "C0", "-", "o"),
+    ("contract_b", "contract lane (b) end to end", "C0", "--", "o"),
+    ("xla_a", "XLA lane (a) operator", "C3", "-", "x"),
+    ("xla_b", "XLA lane (b) end to end", "C3", "--", "x"),
+)
 
 
 def write_png(report: dict[str, Any], path: str) -> tuple[str | None, str]:
@@ -150,8 +157,14 @@ def write_png(report: dict[str, Any], path: str) -> tuple[str | None, str]:
         if key not in steps:
             continue
         x = range(1, len(steps[key]["mismatch"]) + 1)
-        kw = dict(color=color, linestyle=style, marker=marker, markersize=6 if marker == "o" else 5,
-                  markerfacecolor="none" if marker == "o" else color, label=label)
+        kw = dict(
+            color=color,
+            linestyle=style,
+            marker=marker,
+            markersize=6 if marker == "o" else 5,
+            markerfacecolor="none" if marker == "o" else color,
+            label=label,
+        )
         ax_m.plot(x, steps[key]["mismatch"], **kw)
         ax_k.plot(x, steps[key]["max_abs_k3"], **kw)
     B = report["shapes"]["rollout_rows_per_step"]
@@ -170,8 +183,11 @@ def write_png(report: dict[str, Any], path: str) -> tuple[str | None, str]:
         ax_t.bar_label(bars, labels=[f"{v:.3g} ms" for v in vals])
         ax_t.margins(y=0.15)
         ax_t.set(title=f"time per call, {timing['rows_per_call']} rows (median of {timing['reps']})", ylabel="ms")
-    fig.suptitle(f"RL parity: {report['config']['preset']} on {report['platform']['device_kind']}, "
-                 f"{B} x {report['config']['steps']}", fontsize=10)
+    fig.suptitle(
+        f"RL parity: {report['config']['preset']} on {report['platform']['device_kind']}, "
+        f"{B} x {report['config']['steps']}",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=110)
     return path, ""
 

@@ -136,7 +136,9 @@ class ToyLM(nnx.Module):
 
     def __call__(self, tokens, targets, *, temperature=1.0, return_logits=False, backend=None):
         """LogpOutput of targets [B, L] given tokens [B, L] (teacher forced)."""
-        return self.head(self.hidden(tokens), targets, temperature=temperature, return_logits=return_logits, backend=backend)
+        return self.head(
+            self.hidden(tokens), targets, temperature=temperature, return_logits=return_logits, backend=backend
+        )
 
     def loss(self, tokens, targets, *, temperature=1.0):
         """-mean logp over targets != -100."""

@@ -121,7 +121,9 @@ class LogpHead(nnx.Module):
             if rngs is None:
                 raise ValueError("rngs is required to initialise an untied LogpHead")
             rows = self.padded_vocab_size if pad_weight else self.vocab_size
-            init = kernel_init or nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=0)
+            init = kernel_init or nnx.initializers.variance_scaling(
+                1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=0
+            )
             w = init(rngs.params(), (rows, self.in_features), jnp.dtype(param_dtype))
             if rows > self.vocab_size:  # padding rows are never read by the op; keep them zero
                 w = w.at[self.vocab_size :].set(0)
@@ -163,7 +165,9 @@ class LogpHead(nnx.Module):
         return weight_fingerprint(w, b)
 
     # -- forward -------------------------------------------------------------------
-    def __call__(self, hidden, targets, *, temperature=1.0, return_logits: bool = False, backend: str | None = None) -> LogpOutput:
+    def __call__(
+        self, hidden, targets, *, temperature=1.0, return_logits: bool = False, backend: str | None = None
+    ) -> LogpOutput:
         """LogpOutput(logp, lse, logits|None) of `targets` under this head.
 
         hidden [..., D] (cast to the compute dtype), targets [...] int

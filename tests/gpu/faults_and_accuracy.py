@@ -106,8 +106,10 @@ def main():
     err_lp = np.abs(lp - np.minimum(lp64, 0)) / np.maximum(1.0, np.abs(lse64))
     check("float64 agreement (lse)", bool(err_lse.max() <= 2e-5), f"max rel err {err_lse.max():.2e}")
     check("float64 agreement (logp)", bool(err_lp.max() <= 2e-5), f"max rel err {err_lp.max():.2e}")
-    print(f"faults_and_accuracy on {jax.devices()[0].device_kind} backend={BACKEND} D={D} V_pad={VP}: "
-          f"{'ALL PASS' if not FAILS else 'FAILED: ' + ', '.join(FAILS)}")
+    print(
+        f"faults_and_accuracy on {jax.devices()[0].device_kind} backend={BACKEND} D={D} V_pad={VP}: "
+        f"{'ALL PASS' if not FAILS else 'FAILED: ' + ', '.join(FAILS)}"
+    )
     return 1 if FAILS else 0
 
 

@@ -16,8 +16,7 @@ import pytest
 
 import detlogp_jax as dl
 from detlogp_jax import backends, grad, inputs
-from tests.conftest import assert_bitwise_equal
-from tests.test_api_guards import _f64_loss_grads
+from tests.helpers import assert_bitwise_equal, f64_loss_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -47,15 +46,18 @@ def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=n)
 
     def loss(h, w, b):
-        out = dl.linear_logp(h, w, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad,
-                             backend="pallas_sm90")
+        out = dl.linear_logp(
+            h, w, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad, backend="pallas_sm90"
+        )
         return jnp.sum(out.logp * g_lp) + jnp.sum(out.lse * g_lse)
 
     with dl.strict_mode():
         f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         got = f(hb, wb, jnp.asarray(b))
         again = f(hb, wb, jnp.asarray(b))
-    want = _f64_loss_grads(np.asarray(hb, np.float32), np.asarray(wb, np.float32), b, t, temp[:, None], vocab, g_lp, g_lse)
+    want = f64_loss_grads(
+        np.asarray(hb, np.float32), np.asarray(wb, np.float32), b, t, temp[:, None], vocab, g_lp, g_lse
+    )
     for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
         assert _rel(g, e) < 1e-2, (name, _rel(g, e))
     assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0
@@ -67,8 +69,9 @@ def test_fused_dz_equals_xla_formed_dz_within_bf16():
     n, d, v_pad, vocab = 256, 512, 32768, 32000
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=3)
     inv_t = inputs.inv_temperature(jnp.asarray(temp), n)
-    out = dl.linear_logp(hb, wb, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad,
-                         backend="pallas_sm90")
+    out = dl.linear_logp(
+        hb, wb, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad, backend="pallas_sm90"
+    )
     args = (hb, wb, jnp.asarray(b), jnp.asarray(t), inv_t, out.lse, jnp.asarray(g_lp), jnp.asarray(g_lse), None)
     fused = grad.backward(*args, vocab_size=vocab, dz=backends.get("pallas_sm90").dz)
     plain = grad.backward(*args, vocab_size=vocab)

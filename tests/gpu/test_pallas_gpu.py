@@ -15,7 +15,7 @@ import pytest
 
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
-from tests.conftest import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.gpu
 
@@ -24,22 +24,26 @@ from pallas_kernels import tuning  # noqa: E402
 
 
 def _problem(n, d, v, seed=0, bias=True):
-  rng = np.random.default_rng(seed)
-  h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((v, d)) * (2.0 / np.sqrt(d)), jnp.bfloat16)
-  b = jnp.asarray(rng.standard_normal(v), jnp.float32) if bias else None
-  t = rng.integers(0, v, n).astype(np.int32)
-  if n > 3:
-    t[0], t[1], t[2] = C.IGNORE_INDEX, v - 1, v + 5
-  temp = rng.uniform(0.5, 1.5, n).astype(np.float32)
-  return h, w, b, t, temp, oracle.inv_temperature(temp, n)
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v, d)) * (2.0 / np.sqrt(d)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(v), jnp.float32) if bias else None
+    t = rng.integers(0, v, n).astype(np.int32)
+    if n > 3:
+        t[0], t[1], t[2] = C.IGNORE_INDEX, v - 1, v + 5
+    temp = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    return h, w, b, t, temp, oracle.inv_temperature(temp, n)
 
 
 def _entry(h, w, b, t, inv_t, v, vp, **kw):
-  m, s, zt, own, lg = pk.partials(h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp, **kw)
-  logp, lse = pk.fold(m, s, zt, jnp.asarray(t), jnp.asarray(inv_t), v)
-  return {k: (None if x is None else np.asarray(x)) for k, x in
-          dict(m=m, s=s, z_t=zt, owned=own, logits=lg, logp=logp, lse=lse).items()}
+    m, s, zt, own, lg = pk.partials(
+        h, w, b, jnp.asarray(t), jnp.asarray(inv_t), vocab_size=v, padded_vocab_size=vp, **kw
+    )
+    logp, lse = pk.fold(m, s, zt, jnp.asarray(t), jnp.asarray(inv_t), v)
+    return {
+        k: (None if x is None else np.asarray(x))
+        for k, x in dict(m=m, s=s, z_t=zt, owned=own, logits=lg, logp=logp, lse=lse).items()
+    }
 
 
 SHAPES = [(7, 192, 1001), (130, 320, 50000), (65, 1024, 32000)]
@@ -47,121 +51,134 @@ SHAPES = [(7, 192, 1001), (130, 320, 50000), (65, 1024, 32000)]
 
 @pytest.mark.parametrize("n,d,v", SHAPES)
 def test_oracle_and_entries(n, d, v):
-  vp = C.canonical_padded_vocab(v)
-  h, w, b, t, temp, inv_t = _problem(n, d, v)
-  srv = _entry(h, w, b, t, inv_t, v, vp, return_logits=True)
-  trn = _entry(h, w, b, t, inv_t, v, vp)
-  rl, rs = oracle.logp_lse(srv["logits"], t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
-  assert_bitwise_equal(srv["logp"], rl, "logp vs oracle")
-  assert_bitwise_equal(srv["lse"], rs, "lse vs oracle")
-  for k in ("m", "s", "z_t", "logp", "lse"):
-    assert_bitwise_equal(srv[k], trn[k], f"{k} trainer vs serving")
+    vp = C.canonical_padded_vocab(v)
+    h, w, b, t, temp, inv_t = _problem(n, d, v)
+    srv = _entry(h, w, b, t, inv_t, v, vp, return_logits=True)
+    trn = _entry(h, w, b, t, inv_t, v, vp)
+    rl, rs = oracle.logp_lse(srv["logits"], t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
+    assert_bitwise_equal(srv["logp"], rl, "logp vs oracle")
+    assert_bitwise_equal(srv["lse"], rs, "lse vs oracle")
+    for k in ("m", "s", "z_t", "logp", "lse"):
+        assert_bitwise_equal(srv[k], trn[k], f"{k} trainer vs serving")
 
 
 @pytest.mark.parametrize("n,d,v", SHAPES[:2])
 def test_buckets_and_rows_alone(n, d, v):
-  vp = C.canonical_padded_vocab(v)
-  h, w, b, t, temp, inv_t = _problem(n, d, v, seed=1)
-  outs = {bk: _entry(h, w, b, t, inv_t, v, vp, bucket=bk) for bk in sorted(tuning.BUCKETS)}
-  first = outs[sorted(outs)[0]]
-  for bk, o in outs.items():
-    for k in ("m", "s", "logp", "lse"):
-      assert_bitwise_equal(o[k], first[k], f"{k} bucket {bk}")
-  for r in (0, n // 2, n - 1):
-    alone = _entry(h[r:r + 1], w, b, t[r:r + 1], inv_t[r:r + 1], v, vp)
-    for k in ("m", "s", "logp", "lse"):
-      assert_bitwise_equal(alone[k], first[k][r:r + 1], f"{k} row {r} alone")
+    vp = C.canonical_padded_vocab(v)
+    h, w, b, t, temp, inv_t = _problem(n, d, v, seed=1)
+    outs = {bk: _entry(h, w, b, t, inv_t, v, vp, bucket=bk) for bk in sorted(tuning.BUCKETS)}
+    first = outs[sorted(outs)[0]]
+    for bk, o in outs.items():
+        for k in ("m", "s", "logp", "lse"):
+            assert_bitwise_equal(o[k], first[k], f"{k} bucket {bk}")
+    for r in (0, n // 2, n - 1):
+        alone = _entry(h[r : r + 1], w, b, t[r : r + 1], inv_t[r : r + 1], v, vp)
+        for k in ("m", "s", "logp", "lse"):
+            assert_bitwise_equal(alone[k], first[k][r : r + 1], f"{k} row {r} alone")
 
 
 def test_unpadded_weight():
-  n, d, v = 64, 256, 5000
-  vp = C.canonical_padded_vocab(v)
-  h, w, b, t, temp, inv_t = _problem(n, d, v, seed=2, bias=False)
-  a = _entry(h, w, None, t, inv_t, v, vp, return_logits=True)
-  wp = jnp.pad(w, ((0, vp - v), (0, 0)))
-  c = _entry(h, wp, None, t, inv_t, v, vp, return_logits=True)
-  for k in ("m", "s", "z_t", "logp", "lse"):
-    assert_bitwise_equal(a[k], c[k], f"{k} unpadded vs padded")
-  assert_bitwise_equal(a["logits"], c["logits"][:, :v], "logits")
+    n, d, v = 64, 256, 5000
+    vp = C.canonical_padded_vocab(v)
+    h, w, b, t, temp, inv_t = _problem(n, d, v, seed=2, bias=False)
+    a = _entry(h, w, None, t, inv_t, v, vp, return_logits=True)
+    wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+    c = _entry(h, wp, None, t, inv_t, v, vp, return_logits=True)
+    for k in ("m", "s", "z_t", "logp", "lse"):
+        assert_bitwise_equal(a[k], c[k], f"{k} unpadded vs padded")
+    assert_bitwise_equal(a["logits"], c["logits"][:, :v], "logits")
 
 
 def _nan_canonical(x):
-  """Bytes with every NaN as one pattern: the GPU's PTX returns the canonical
-  NaN where numpy keeps an input's payload (the contract's NaN rows are NaN,
-  whatever the payload)."""
-  x = np.array(x, np.float32)
-  x[np.isnan(x)] = np.float32(np.nan)
-  return x
+    """Bytes with every NaN as one pattern: the GPU's PTX returns the canonical
+    NaN where numpy keeps an input's payload (the contract's NaN rows are NaN,
+    whatever the payload)."""
+    x = np.array(x, np.float32)
+    x[np.isnan(x)] = np.float32(np.nan)
+    return x
 
 
 @pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264, 455])
 def test_fold_layouts_equal_oracle(n_split):
-  """On the GPU the fold's pinned PTX equals oracle.fold bit for bit (NaN
-  payloads aside): every layout / knob of sm90_fold (staged groups of 32 or
-  64 rows, chunk sizes, chain unrolls, the row-per-thread loop) on edge rows,
-  split counts that are not multiples of the groups or chunks, rows over
-  several CTAs; all layouts give the same bytes, NaNs included; a row alone
-  gives the bytes it has in the batch."""
-  from pallas_kernels import sm90_fold
-  from tests.pallas_cases import fold_problem
+    """On the GPU the fold's pinned PTX equals oracle.fold bit for bit (NaN
+    payloads aside): every layout / knob of sm90_fold (staged groups of 32 or
+    64 rows, chunk sizes, chain unrolls, the row-per-thread loop) on edge rows,
+    split counts that are not multiples of the groups or chunks, rows over
+    several CTAs; all layouts give the same bytes, NaNs included; a row alone
+    gives the bytes it has in the batch."""
+    from pallas_kernels import sm90_fold
+    from tests.pallas_cases import fold_problem
 
-  n, v = 200, 151936
-  m, s, z_t, t, inv_t = fold_problem(n, n_split, v, seed=n_split)
-  rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
-  variants = [{}, dict(staged=False), dict(chunk=4, unroll=8), dict(chunk=128, unroll=n_split),
-              dict(rows=64, chunk=6, unroll=5)]
-  ref = None
-  for knobs in variants:
-    if knobs.get("rows") == 64 and not sm90_fold.staged_fits(n_split, 64):
-      continue
-    logp, lse = (np.asarray(x) for x in sm90_fold.fold(m, s, z_t, t, inv_t, v, **knobs))
-    assert_bitwise_equal(_nan_canonical(logp), _nan_canonical(rl), f"logp {knobs}")
-    assert_bitwise_equal(_nan_canonical(lse), _nan_canonical(rs), f"lse {knobs}")
-    if ref is None:
-      ref = (logp, lse)
-    assert_bitwise_equal(logp, ref[0], f"logp {knobs} vs default")
-    assert_bitwise_equal(lse, ref[1], f"lse {knobs} vs default")
-  for r in (0, 1, 5, n - 1):  # a row alone == the row in the batch
-    logp, lse = sm90_fold.fold(m[r:r + 1], s[r:r + 1], z_t[r:r + 1], t[r:r + 1], inv_t[r:r + 1], v)
-    assert_bitwise_equal(np.asarray(logp), ref[0][r:r + 1], f"logp row {r} alone")
-    assert_bitwise_equal(np.asarray(lse), ref[1][r:r + 1], f"lse row {r} alone")
+    n, v = 200, 151936
+    m, s, z_t, t, inv_t = fold_problem(n, n_split, v, seed=n_split)
+    rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
+    variants = [
+        {},
+        dict(staged=False),
+        dict(chunk=4, unroll=8),
+        dict(chunk=128, unroll=n_split),
+        dict(rows=64, chunk=6, unroll=5),
+    ]
+    ref = None
+    for knobs in variants:
+        if knobs.get("rows") == 64 and not sm90_fold.staged_fits(n_split, 64):
+            continue
+        logp, lse = (np.asarray(x) for x in sm90_fold.fold(m, s, z_t, t, inv_t, v, **knobs))
+        assert_bitwise_equal(_nan_canonical(logp), _nan_canonical(rl), f"logp {knobs}")
+        assert_bitwise_equal(_nan_canonical(lse), _nan_canonical(rs), f"lse {knobs}")
+        if ref is None:
+            ref = (logp, lse)
+        assert_bitwise_equal(logp, ref[0], f"logp {knobs} vs default")
+        assert_bitwise_equal(lse, ref[1], f"lse {knobs} vs default")
+    for r in (0, 1, 5, n - 1):  # a row alone == the row in the batch
+        logp, lse = sm90_fold.fold(m[r : r + 1], s[r : r + 1], z_t[r : r + 1], t[r : r + 1], inv_t[r : r + 1], v)
+        assert_bitwise_equal(np.asarray(logp), ref[0][r : r + 1], f"logp row {r} alone")
+        assert_bitwise_equal(np.asarray(lse), ref[1][r : r + 1], f"lse row {r} alone")
 
 
 @pytest.mark.parametrize("n,d,v", [(7, 192, 1001), (65, 1024, 32000), (600, 512, 32000)])
 def test_logits_cols_and_serving_api(n, d, v):
-  """logits_cols=vocab (what the serving API asks for): every bucket writes [N, vocab] logits whose
-  bytes are the full-width logits' first columns (direct when vocab % 8 == 0), partials unchanged;
-  linear_logp(return_logits=True) returns them and its logp/lse are the oracle's of them."""
-  from detlogp_jax import linear_logp
+    """logits_cols=vocab (what the serving API asks for): every bucket writes [N, vocab] logits whose
+    bytes are the full-width logits' first columns (direct when vocab % 8 == 0), partials unchanged;
+    linear_logp(return_logits=True) returns them and its logp/lse are the oracle's of them."""
+    from detlogp_jax import linear_logp
 
-  vp = C.canonical_padded_vocab(v)
-  h, w, b, t, temp, inv_t = _problem(n, d, v)
-  wp = jnp.pad(w, ((0, vp - v), (0, 0)))
-  bp = jnp.pad(b, (0, vp - v)) if b is not None else None
-  for bk in sorted(tuning.BUCKETS):
-    full = _entry(h, wp, bp, t, inv_t, v, vp, return_logits=True, bucket=bk)
-    cut = _entry(h, wp, bp, t, inv_t, v, vp, return_logits=True, bucket=bk, logits_cols=v)
-    assert cut["logits"].shape == (n, v)
-    assert_bitwise_equal(cut["logits"], full["logits"][:, :v], f"logits {bk}")
-    for k in ("m", "s", "z_t", "logp", "lse"):
-      assert_bitwise_equal(cut[k], full[k], f"{k} {bk}")
-  out = linear_logp(h, wp, jnp.asarray(t), bias=bp, temperature=jnp.asarray(temp), vocab_size=v, return_logits=True,
-                    backend="pallas_sm90")
-  lg = np.asarray(out.logits)
-  assert lg.shape == (n, v)
-  rl, rs = oracle.logp_lse(lg, t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
-  assert_bitwise_equal(np.asarray(out.logp), rl, "api logp vs oracle")
-  assert_bitwise_equal(np.asarray(out.lse), rs, "api lse vs oracle")
+    vp = C.canonical_padded_vocab(v)
+    h, w, b, t, temp, inv_t = _problem(n, d, v)
+    wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+    bp = jnp.pad(b, (0, vp - v)) if b is not None else None
+    for bk in sorted(tuning.BUCKETS):
+        full = _entry(h, wp, bp, t, inv_t, v, vp, return_logits=True, bucket=bk)
+        cut = _entry(h, wp, bp, t, inv_t, v, vp, return_logits=True, bucket=bk, logits_cols=v)
+        assert cut["logits"].shape == (n, v)
+        assert_bitwise_equal(cut["logits"], full["logits"][:, :v], f"logits {bk}")
+        for k in ("m", "s", "z_t", "logp", "lse"):
+            assert_bitwise_equal(cut[k], full[k], f"{k} {bk}")
+    out = linear_logp(
+        h,
+        wp,
+        jnp.asarray(t),
+        bias=bp,
+        temperature=jnp.asarray(temp),
+        vocab_size=v,
+        return_logits=True,
+        backend="pallas_sm90",
+    )
+    lg = np.asarray(out.logits)
+    assert lg.shape == (n, v)
+    rl, rs = oracle.logp_lse(lg, t, temperature=temp, vocab_size=v, padded_vocab_size=vp)
+    assert_bitwise_equal(np.asarray(out.logp), rl, "api logp vs oracle")
+    assert_bitwise_equal(np.asarray(out.lse), rs, "api lse vs oracle")
 
 
 def test_inv_temperature_on_device_is_correctly_rounded():
-  """The API's fl(1/T) on the GPU equals IEEE division (XLA:GPU's f32 `1 / t` does not:
-  ~13% of random T differed on an H200), eagerly and under jit."""
-  from detlogp_jax import inputs, numerics
+    """The API's fl(1/T) on the GPU equals IEEE division (XLA:GPU's f32 `1 / t` does not:
+    ~13% of random T differed on an H200), eagerly and under jit."""
+    from detlogp_jax import inputs, numerics
 
-  rng = np.random.default_rng(0)
-  t = rng.uniform(0.05, 4.0, 1 << 20).astype(np.float32)
-  want = oracle.inv_temperature(t, t.size).view(np.uint32)
-  for fn in (lambda x: numerics.inv_temperature(x, t.size), jax.jit(lambda x: inputs.inv_temperature(x, t.size))):
-    got = np.asarray(fn(jnp.asarray(t))).view(np.uint32)
-    assert int((got != want).sum()) == 0
+    rng = np.random.default_rng(0)
+    t = rng.uniform(0.05, 4.0, 1 << 20).astype(np.float32)
+    want = oracle.inv_temperature(t, t.size).view(np.uint32)
+    for fn in (lambda x: numerics.inv_temperature(x, t.size), jax.jit(lambda x: inputs.inv_temperature(x, t.size))):
+        got = np.asarray(fn(jnp.asarray(t))).view(np.uint32)
+        assert int((got != want).sum()) == 0

@@ -13,10 +13,9 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import detlogp_jax as dl  # noqa: E402
@@ -54,8 +53,14 @@ def main():
         h1, t1 = jax.device_put(h_host, devs[0]), jax.device_put(t_host, devs[0])
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         h2, t2 = jax.device_put(h_host, rep), jax.device_put(t_host, rep)  # resident: time compute, not transfers
-        f1 = jax.jit(lambda h, w, t: dl.linear_logp(h, w, t, vocab_size=VOCAB, padded_vocab_size=V_PAD, backend=BACKEND)[:2])
-        f2 = jax.jit(lambda h, w, t: linear_logp_tp(h, w, t, mesh=mesh, tp_axis="tp", vocab_size=VOCAB, padded_vocab_size=V_PAD, backend=BACKEND)[:2])
+        f1 = jax.jit(
+            lambda h, w, t: dl.linear_logp(h, w, t, vocab_size=VOCAB, padded_vocab_size=V_PAD, backend=BACKEND)[:2]
+        )
+        f2 = jax.jit(
+            lambda h, w, t: linear_logp_tp(
+                h, w, t, mesh=mesh, tp_axis="tp", vocab_size=VOCAB, padded_vocab_size=V_PAD, backend=BACKEND
+            )[:2]
+        )
         with dl.strict_mode():
             a = jax.device_get(f1(h1, w1, t1))
             b = jax.device_get(f2(h2, w2, t2))
@@ -65,13 +70,29 @@ def main():
         mad = float(np.nanmax(np.abs(np.asarray(a[0], np.float64) - np.asarray(b[0], np.float64))))
         t1m = timed(lambda: f1(h1, w1, t1))
         t2m = timed(lambda: f2(h2, w2, t2))
-        row = dict(m=m, logp_mismatch_rows=diff_lp, lse_mismatch_rows=diff_lse, max_abs_diff=mad,
-                   tp1_ms=t1m, tp2_ms=t2m, backend=prov.backend, fallback=prov.fallback)
+        row = dict(
+            m=m,
+            logp_mismatch_rows=diff_lp,
+            lse_mismatch_rows=diff_lse,
+            max_abs_diff=mad,
+            tp1_ms=t1m,
+            tp2_ms=t2m,
+            backend=prov.backend,
+            fallback=prov.fallback,
+        )
         rows.append(row)
-        print(f"M={m:5d} mismatches logp={diff_lp} lse={diff_lse} max_abs_diff={mad:.3g} "
-              f"TP1 {t1m[0]:.3f} ms  TP2 {t2m[0]:.3f} ms  (backend {prov.backend})", flush=True)
-    out = dict(command="OUT=$OUT PYTHONPATH=. python3 tests/gpu/tp_x2.py", device=devs[0].device_kind,
-               n_devices=len(devs), jax=jax.__version__, rows=rows)
+        print(
+            f"M={m:5d} mismatches logp={diff_lp} lse={diff_lse} max_abs_diff={mad:.3g} "
+            f"TP1 {t1m[0]:.3f} ms  TP2 {t2m[0]:.3f} ms  (backend {prov.backend})",
+            flush=True,
+        )
+    out = dict(
+        command="OUT=$OUT PYTHONPATH=. python3 tests/gpu/tp_x2.py",
+        device=devs[0].device_kind,
+        n_devices=len(devs),
+        jax=jax.__version__,
+        rows=rows,
+    )
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "tp_x2.json"), "w") as f:
             json.dump(out, f, indent=1)
