@@ -23,6 +23,13 @@ CUDA13_DRIVER = "580.159.04"
 CUDA12_DRIVER = "550.54.15"
 
 
+def lock_line(platform):
+    """How the plan names a lock: its path and its number of pinned packages."""
+    path = os.path.join(ROOT, "requirements", f"{platform}.lock")
+    pins = [line for line in open(path).read().splitlines() if line.strip() and not line.startswith("#")]
+    return f"requirements/{platform}.lock ({len(pins)} packages)"
+
+
 def _venv_python(path: str) -> str:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True)
     return os.path.join(path, "bin", "python")
@@ -118,7 +125,7 @@ def test_cuda13_driver_plans_cuda13(tmp_path, nojax_python, script):
     p = plan(script, env)
     assert p["platform"].startswith("cuda13 (auto: driver 580.159.04 >= 580"), p
     assert "has no jax" in p["platform"], p  # why not system
-    assert p["lock"] == "requirements/cuda13.lock (59 packages)"
+    assert p["lock"] == lock_line("cuda13")
     assert p["JAX_PLATFORMS"] == "cuda,cpu (set by the setup)"
     assert p["python"].endswith("(Python %d.%d.%d)" % sys.version_info[:3])
     assert p["venv"].endswith("(absent: would create it and install requirements/cuda13.lock)")
@@ -129,7 +136,7 @@ def test_cuda12_driver_plans_cuda12(tmp_path, nojax_python, script):
     env = base_env(tmp_path, nojax_python, fake_bin(tmp_path, driver=CUDA12_DRIVER))
     p = plan(script, env)
     assert p["platform"].startswith("cuda12 (auto: driver 550.54.15 >= 525 (< 580)"), p
-    assert p["lock"] == "requirements/cuda12.lock (57 packages)"
+    assert p["lock"] == lock_line("cuda12")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -137,7 +144,7 @@ def test_failing_nvidia_smi_plans_cpu(tmp_path, nojax_python, script):
     env = base_env(tmp_path, nojax_python, fake_bin(tmp_path, exit_code=9))
     p = plan(script, env)
     assert p["platform"] == "cpu (auto: nvidia-smi failed (exit 9), so no usable NVIDIA GPU)"
-    assert p["lock"] == "requirements/cpu.lock (42 packages)"
+    assert p["lock"] == lock_line("cpu")
     assert p["JAX_PLATFORMS"] == "cpu (set by the setup)"
 
 
@@ -150,7 +157,7 @@ def test_no_nvidia_smi_plans_cpu(tmp_path, nojax_python, script):
     env["PATH"] = path
     p = plan(script, env)
     assert p["platform"] == "cpu (auto: no nvidia-smi on PATH, so no usable NVIDIA GPU)"
-    assert p["lock"] == "requirements/cpu.lock (42 packages)"
+    assert p["lock"] == lock_line("cpu")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -158,7 +165,7 @@ def test_forced_cpu_with_cuda13_driver(tmp_path, nojax_python, script):
     env = base_env(tmp_path, nojax_python, fake_bin(tmp_path, driver=CUDA13_DRIVER), DETLOGP_PLATFORM="cpu")
     p = plan(script, env)
     assert p["platform"] == "cpu (DETLOGP_PLATFORM=cpu, driver 580.159.04)"
-    assert p["lock"] == "requirements/cpu.lock (42 packages)"
+    assert p["lock"] == lock_line("cpu")
     assert p["JAX_PLATFORMS"] == "cpu (set by the setup)"
 
 
@@ -287,7 +294,7 @@ def test_failed_install_is_one_error_line_with_the_fix(tmp_path):
     assert rc == 1 and out == "", (out, err)
     lines = err.splitlines()
     assert lines[0].startswith("[setup] venv ") and "absent; creating it for cpu" in lines[0]
-    assert lines[1] == "[setup] installing requirements/cpu.lock (42 packages) into %s ... failed" % (tmp_path / "venv")
+    assert lines[1] == "[setup] installing %s into %s ... failed" % (lock_line("cpu"), tmp_path / "venv")
     assert any(line.startswith("  pip| ") for line in lines[2:-1])
     assert (
         lines[-1].startswith("error: pip could not install requirements/cpu.lock")
