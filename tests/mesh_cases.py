@@ -148,6 +148,33 @@ def run() -> dict:
             return (host(dh, h.shape), host(dw), host(db)), type(o)(host(o.logp, (B, S)), host(o.lse, (B, S)))
 
         record(f"shard_map_check_vma_{vma}", run_map)
+
+    # Vocab-parallel TP with a [D, V] kernel (weight_layout="dv", sharded over its V axis):
+    # logp/lse bytes equal the single-device [V, D] call at TP = 2, 4, 8.
+    from sharding import linear_logp_tp
+
+    rng = np.random.default_rng(11)
+    vpad, vocab = 1024, 1000
+    hh = rng.standard_normal((24, D)).astype(np.float32)
+    ww = (rng.standard_normal((vpad, D)) * 0.2).astype(np.float32)
+    tt = rng.integers(0, vocab, 24).astype(np.int32)
+    tt[:4] = 0, vpad // 2 - 1, vpad // 2, vocab - 1  # shard edges
+    one = dl.linear_logp(hh, ww, tt, vocab_size=vocab, backend="reference")
+    kk = np.ascontiguousarray(ww.T)
+    for tp in (2, 4, 8):
+        mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+        k_sharded = jax.device_put(kk, NamedSharding(mesh, P(None, "tp")))
+        for name, weight in (("global", k_sharded), ("shards", list(np.split(kk, tp, axis=1)))):
+            try:
+                out = linear_logp_tp(
+                    hh, weight, tt, mesh=mesh, tp_axis="tp", vocab_size=vocab, backend="reference", weight_layout="dv"
+                )
+                res[f"tp{tp}_dv_{name}"] = {
+                    "logp_rows_differ": _bits_rows(out.logp, one.logp),
+                    "lse_rows_differ": _bits_rows(out.lse, one.lse),
+                }
+            except Exception:
+                res[f"tp{tp}_dv_{name}"] = {"error": traceback.format_exc()[-3000:]}
     return res
 
 

@@ -199,6 +199,13 @@ def test_sharded_rows_give_single_device_bytes_and_gradients(mesh_results, case)
     assert r["grad_max_abs_diff"] <= 1e-5 * max(1.0, mesh_results["scale"]), r
 
 
+@pytest.mark.parametrize("case", [f"tp{tp}_dv_{w}" for tp in (2, 4, 8) for w in ("global", "shards")])
+def test_tp_with_a_dv_kernel_gives_single_device_bytes(mesh_results, case):
+    r = mesh_results[case]
+    assert "error" not in r, r.get("error")
+    assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0, r
+
+
 def test_shardings_the_op_cannot_serve_are_refused(mesh_results):
     assert "linear_logp_tp" in mesh_results["sharded_weight_error"], mesh_results["sharded_weight_error"]
     assert "D axis" in mesh_results["sharded_d_error"], mesh_results["sharded_d_error"]
