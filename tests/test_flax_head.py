@@ -158,3 +158,54 @@ def test_tied_model_trains():
     losses, g0, model = _train("reference", steps=3, tie=True)
     assert losses[-1] < losses[0]
     assert model.head.kernel is model.embed.embedding
+
+
+# ---- [D, V] kernels: an own "dv" weight, or an existing nnx.Linear, read in place ---------
+
+
+def test_dv_head_and_wrapped_linear_give_the_vd_bytes():
+    h, t = _data()
+    vd = LogpHead(D, V, use_bias=True, backend="reference", rngs=nnx.Rngs(0))
+    vd.bias[...] = jax.random.normal(jax.random.PRNGKey(5), (V,)) * 0.1
+    dv = LogpHead(D, V, use_bias=True, backend="reference", weight_layout="dv", rngs=nnx.Rngs(1))
+    assert dv.kernel.shape == (D, V) and dv.weight_layout == "dv"
+    dv.kernel[...] = vd.kernel[...].T
+    dv.bias[...] = vd.bias[...]
+    lin = nnx.Linear(D, V, use_bias=True, rngs=nnx.Rngs(2))
+    lin.kernel[...] = vd.kernel[...].T
+    lin.bias[...] = vd.bias[...]
+    wrapped = LogpHead(linear=lin, backend="reference")
+    assert wrapped.kernel is lin.kernel and wrapped.bias is lin.bias  # shared Params, no copy
+    want = vd(h, t, temperature=0.7, return_logits=True)
+    for head in (dv, wrapped):
+        got = head(h, t, temperature=0.7, return_logits=True)
+        for a, b, what in zip(got[:3], want[:3], ("logp", "lse", "logits")):
+            assert_bitwise_equal(a, b, what)
+        assert head.fingerprint() == vd.fingerprint()  # one weight version in either layout
+    # gradients land in the linear layer's own [D, V] kernel
+    g = nnx.grad(lambda m: m.loss(h, t))(wrapped)
+    gv = nnx.grad(lambda m: m.loss(h, t))(vd)
+    np.testing.assert_allclose(np.asarray(g.linear.kernel[...]).T, np.asarray(gv.weight[...]), rtol=1e-5, atol=1e-7)
+
+
+def test_wrapping_a_linear_layer_checks_its_shape():
+    lin = nnx.Linear(D, V, use_bias=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="in_features"):
+        LogpHead(D + 1, linear=lin)
+    with pytest.raises(ValueError, match="no bias"):
+        LogpHead(linear=lin, use_bias=True)
+    with pytest.raises(TypeError, match="nnx.Linear"):
+        LogpHead(linear=nnx.Embed(V, D, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="weight_layout"):
+        LogpHead(D, V, weight_layout="kd", rngs=nnx.Rngs(0))
+
+
+def test_dv_head_on_a_tp_mesh_matches_the_unsharded_head():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    head = LogpHead(D, V, mesh=mesh, tp_axis="tp", weight_layout="dv", backend="reference", rngs=nnx.Rngs(0))
+    plain = LogpHead(D, V, weight_layout="dv", backend="reference", rngs=nnx.Rngs(0))
+    assert head.kernel.shape == (D, 512)
+    np.testing.assert_array_equal(np.asarray(head.kernel[...])[:, V:], 0)  # padding columns stay zero
+    plain.kernel[...] = head.kernel[...][:, :V]
+    h, t = _data()
+    assert_bitwise_equal(head(h, t).logp, plain(h, t).logp, "tp dv logp")

@@ -52,13 +52,19 @@ class LogpHead(nnx.Module):
         rows unless `pad_weight=True` (then `padded_vocab_size` rows, zero
         padding rows: needed to shard the vocab evenly over a TP mesh).
       use_bias: add a learned bias [rows] (FP32 add, per the contract).
+      weight_layout: the layout of an own weight: "vd" ([rows, D], the lm_head
+        layout) or "dv" ([D, rows], like `nnx.Linear(D, V).kernel`). The op
+        reads either in place with the same bytes.
       tied_embedding: an `nnx.Embed` whose embedding [V, D] is the weight
         (shared, so gradients from both uses accumulate into one Param).
+      linear: an existing `nnx.Linear(D, V)` whose kernel [D, V] (and bias, if
+        it has one) is the head, read in place ("dv"; shared Params, e.g. the
+        lm_head of a Flax model that is not tied).
       backend: "auto" | "reference" | "pallas_sm90" | "xla".
       param_dtype: dtype of the weight/bias Params (ignored when tied).
       dtype: compute dtype of hidden and weight for the op (default: the
         weight's dtype); the op needs both in one float dtype.
-      kernel_init / bias_init: initializers (kernel [V, D], fan_in = D).
+      kernel_init / bias_init: initializers (kernel in `weight_layout`, fan_in = D).
       mesh / tp_axis: shard weight rows over `mesh` axis `tp_axis` and route
         to `sharding.linear_logp_tp`.
       checked: forwarded to `linear_logp` (raise on out-of-range targets).
@@ -74,6 +80,8 @@ class LogpHead(nnx.Module):
         pad_weight: bool | None = None,
         use_bias: bool = False,
         tied_embedding: nnx.Embed | None = None,
+        linear: nnx.Linear | None = None,
+        weight_layout: str = "vd",
         backend: str = "auto",
         param_dtype: Any = jnp.float32,
         dtype: Any = None,
@@ -86,7 +94,24 @@ class LogpHead(nnx.Module):
     ):
         if (mesh is None) != (tp_axis is None):
             raise ValueError("mesh and tp_axis go together (both or neither)")
+        if weight_layout not in ("vd", "dv"):
+            raise ValueError(f"weight_layout must be 'vd' or 'dv', got {weight_layout!r}")
+        if tied_embedding is not None and linear is not None:
+            raise ValueError("give tied_embedding or linear, not both")
+        if linear is not None:
+            if not isinstance(linear, nnx.Linear):
+                raise TypeError(f"linear must be an nnx.Linear, got {type(linear).__name__}")
+            d, cols = linear.kernel.shape
+            if in_features is not None and in_features != d:
+                raise ValueError(f"in_features {in_features} != the linear layer's in_features {d}")
+            vocab_size = cols if vocab_size is None else int(vocab_size)
+            if vocab_size > cols:
+                raise ValueError(f"vocab_size {vocab_size} exceeds the linear layer's {cols} outputs")
+            if use_bias and linear.bias is None:
+                raise ValueError("use_bias=True but the linear layer has no bias")
+            in_features, weight_layout = d, "dv"
         if tied_embedding is not None:
+            weight_layout = "vd"
             if not isinstance(tied_embedding, nnx.Embed):
                 raise TypeError(f"tied_embedding must be an nnx.Embed, got {type(tied_embedding).__name__}")
             rows, d = tied_embedding.embedding.shape
@@ -113,23 +138,33 @@ class LogpHead(nnx.Module):
         self.mesh = mesh
         self.tp_axis = tp_axis
         self.tied = tied_embedding is not None
+        self.wraps_linear = linear is not None
+        self.weight_layout = weight_layout
+        vocab_spec = (tp_axis, None) if weight_layout == "vd" else (None, tp_axis)
 
         if self.tied:
             self.embed = tied_embedding
             rows = tied_embedding.embedding.shape[0]
+        elif self.wraps_linear:
+            self.linear = linear
+            rows = linear.kernel.shape[1]
         else:
             if rngs is None:
                 raise ValueError("rngs is required to initialise an untied LogpHead")
             rows = self.padded_vocab_size if pad_weight else self.vocab_size
+            d_axis = 1 if weight_layout == "vd" else 0
             init = kernel_init or nnx.initializers.variance_scaling(
-                1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=0
+                1.0, "fan_in", "truncated_normal", in_axis=d_axis, out_axis=1 - d_axis
             )
-            w = init(rngs.params(), (rows, self.in_features), jnp.dtype(param_dtype))
+            shape = (rows, self.in_features) if weight_layout == "vd" else (self.in_features, rows)
+            w = init(rngs.params(), shape, jnp.dtype(param_dtype))
             if rows > self.vocab_size:  # padding rows are never read by the op; keep them zero
-                w = w.at[self.vocab_size :].set(0)
-            self.weight = nnx.Param(self._place(w, (tp_axis, None)))
+                w = w.at[self.vocab_size :].set(0) if weight_layout == "vd" else w.at[:, self.vocab_size :].set(0)
+            self.weight = nnx.Param(self._place(w, vocab_spec))
         self.rows = int(rows)
-        if use_bias:
+        if self.wraps_linear:
+            self.bias = linear.bias if use_bias or linear.bias is not None else None
+        elif use_bias:
             if rngs is None:
                 raise ValueError("rngs is required to initialise the bias")
             b = bias_init(rngs.params(), (self.rows,), jnp.dtype(param_dtype))
@@ -146,8 +181,11 @@ class LogpHead(nnx.Module):
 
     @property
     def kernel(self) -> nnx.Param:
-        """The weight Param [rows, D] (the tied embedding's when tied)."""
-        return self.embed.embedding if self.tied else self.weight
+        """The weight Param in `weight_layout` ([rows, D] or [D, rows]; the tied
+        embedding's or the wrapped linear layer's when shared)."""
+        if self.tied:
+            return self.embed.embedding
+        return self.linear.kernel if self.wraps_linear else self.weight
 
     def arrays(self):
         """(weight, bias|None) as arrays, the weight in the compute dtype."""
@@ -162,7 +200,7 @@ class LogpHead(nnx.Module):
         from detlogp_jax.fingerprint import weight_fingerprint
 
         w, b = self.arrays()
-        return weight_fingerprint(w, b)
+        return weight_fingerprint(w if self.weight_layout == "vd" else w.T, b)
 
     # -- forward -------------------------------------------------------------------
     def __call__(
@@ -183,6 +221,7 @@ class LogpHead(nnx.Module):
             padded_vocab_size=self.padded_vocab_size,
             return_logits=return_logits,
             backend=self.backend if backend is None else backend,
+            weight_layout=self.weight_layout,
         )
         if self.mesh is not None and kw["backend"] != "xla":  # the XLA lane has no TP form: it runs unsharded
             out = linear_logp_tp(hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw)
