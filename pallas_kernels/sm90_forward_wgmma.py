@@ -36,6 +36,15 @@ the last K slice of a group it runs the chain (`common.chain_step`) over the
 group's w tiles in ascending order and zeroes the accumulator. The chain state
 (m, S, z_t) is the pipeline carry (registers).
 
+Weight layouts (`build(weight_layout=...)`, static): "vd" reads W [Vl, D] as
+[64 w, 64] blocks that wgmma takes through a transposed view; "dv" reads the
+Flax/Tunix kernel W.T [D, Vl] in place as [64, 64 w] blocks (the same K slice
+of the same vocab columns) that wgmma takes as an N-major B operand. The wgmma
+instructions (m64nNk16, k ascending, one FP32 accumulator per tile group), the
+epilogue and every tree are the same, so both layouts are to give the same
+bytes; only how B reaches shared memory differs (to be confirmed on the H200:
+tests/gpu/h200_layout.sh).
+
 `sm90_forward_ws` (the decode and prefill buckets) is the same work items and
 bits with the chain in dedicated epilogue warpgroups fed through shared memory.
 """

@@ -36,6 +36,12 @@ each weight K slice's copy with `collective_axes="cluster"` (each loads half the
 and multicasts them), and `empty` becomes a cluster barrier (a slot is free once the
 wgmma warpgroups of both CTAs released it). The wgmmas read the same bytes.
 
+Weight layouts (`build(weight_layout=...)`, static): "vd" (W [Vl, D], ring slots
+[64 w, tile_k], wgmma reads `slot.T`) or "dv" (the Flax/Tunix kernel W.T [D, Vl]
+read in place, slots [tile_k, 64 w], wgmma reads the slot as an N-major B): the
+same bytes land in a slot's operand view, the same instructions run, so both
+layouts are to give the same bits (to be confirmed on the H200).
+
 Shared memory: stages * (rows + 64 w) * 2 * tile_k bytes for the ring plus
 num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
 2 x 64 rows, tile_k = 64: 3 stages = 120 KiB + 96 KiB).
