@@ -252,7 +252,7 @@ def test_dv_layout_gives_the_vd_bytes_at_the_qwen_shape(m):
             assert bad == 0, f"logits dv vs vd {what}: {bad} rows differ in bytes"
             if bucket == "small":  # the oracle on (up to 64 of) the dv call's own logits
                 rows = np.unique(np.linspace(0, m - 1, min(m, 64)).astype(int))
-                lg = np.asarray(dv.logits)[rows]
+                lg = np.asarray(dv.logits[jnp.asarray(rows)])  # (gathered on the device)
                 rl, rs = oracle.logp_lse(
                     lg, t[rows], temperature=temp[rows], vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS
                 )
