@@ -6,7 +6,10 @@ Backends:
   gemm                         -> `baselines.gemm`, the GEMM alone (ceiling)
 
 Entries: trainer (logp, lse) or serving (also FP32 logits; for gemm the GEMM
-output is the logits either way). Modes: fwd, or fwd_bwd = value_and_grad
+output is the logits either way). Weight layouts: "vd" (W [V_rows, D], the
+lm_head layout) or "dv" (the [D, V_rows] Flax/Tunix kernel, made once by
+`make_weight` outside the timed region and passed with weight_layout="dv", so
+the library backends read it in place; xla_chunked and gemm take "vd" only). Modes: fwd, or fwd_bwd = value_and_grad
 w.r.t. hidden and weight of sum(logp) (for gemm: of 0.5 * sum(z**2), so the
 backward is two real GEMMs rather than a broadcast XLA could simplify away).
 """
@@ -30,6 +33,7 @@ LIBRARY_BACKENDS = ("pallas_sm90", "reference", "xla")
 ALL_BACKENDS = LIBRARY_BACKENDS + ("xla_chunked", "gemm")
 ENTRIES = ("trainer", "serving")
 MODES = ("fwd", "fwd_bwd")
+WEIGHT_LAYOUTS = ("vd", "dv")
 
 # Outputs with one row per input row: these are what the batch-invariance probe compares.
 FORWARD_ROW_FIELDS = ("logp", "lse", "logits")
@@ -47,12 +51,15 @@ class CaseSpec:
     gemm_out: str = "bf16"  # GEMM-alone output dtype: bf16 or f32
     chunk_block: int = baselines.DEFAULT_BLOCK
     tuning: tuple = ()  # bit-neutral knobs for linear_logp, as sorted (key, value) pairs
+    weight_layout: str = "vd"  # "vd": W [V_rows, D]; "dv": W.T [D, V_rows] (a Flax kernel)
 
     def __post_init__(self):
         if self.backend not in ALL_BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose from {ALL_BACKENDS}")
         if self.entry not in ENTRIES or self.mode not in MODES:
             raise ValueError(f"entry must be in {ENTRIES} and mode in {MODES}")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be in {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
 
     @property
     def serving(self) -> bool:
@@ -72,11 +79,14 @@ def unavailable_reason(backend: str) -> str | None:
         return f"unavailable ({type(e).__name__}: {e})"
 
 
-def unsupported_reason(backend: str, hidden, weight) -> str | None:
-    """Why a library backend cannot serve these operands (None if it can); no silent fallback."""
+def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd") -> str | None:
+    """Why a backend cannot serve these operands (None if it can); no silent fallback."""
     if backend not in LIBRARY_BACKENDS:
-        return None
-    ok, why = detlogp_backends.get(backend).supports(hidden, weight)
+        return None if weight_layout == "vd" else f"{backend} takes a [V, D] weight only (weight_layout='vd')"
+    be = detlogp_backends.get(backend)
+    if weight_layout not in be.layouts:
+        return f"{backend} does not read a weight_layout={weight_layout!r} weight in place"
+    ok, why = be.supports(hidden, weight) if weight_layout == "vd" else be.supports(hidden, weight, weight_layout)
     return None if ok else f"{backend} cannot serve this call: {why}"
 
 
@@ -97,6 +107,7 @@ def _library_forward(spec: CaseSpec) -> CaseFn:
                 return_logits=spec.serving,
                 backend=spec.backend,
                 tuning=dict(spec.tuning) or None,
+                weight_layout=spec.weight_layout,
             )
         res = {"logp": out.logp, "lse": out.lse}
         if spec.serving:
@@ -180,11 +191,16 @@ def min_bytes(spec: CaseSpec, m: int, itemsize: int) -> float:
 # --- inputs (shared by benchmarks.run and benchmarks.experiments.trace_calls) ---------------
 
 
-def make_weight(shape: Shape, dtype, seed: int) -> jax.Array:
-    """W [V_rows, D] ~ N(0, (3/sqrt(D))^2): logits of std ~3 for unit hidden."""
+def make_weight(shape: Shape, dtype, seed: int, weight_layout: str = "vd") -> jax.Array:
+    """W [V_rows, D] ~ N(0, (3/sqrt(D))^2): logits of std ~3 for unit hidden; for
+    weight_layout="dv" its transpose [D, V_rows] as its own buffer (the same values,
+    made here once, never inside a timed call)."""
     key = jax.random.fold_in(jax.random.PRNGKey(seed), 0)
     w = jax.random.normal(key, (shape.v_rows, shape.d), jnp.float32) * (3.0 / np.sqrt(shape.d))
-    return w.astype(dtype)
+    w = w.astype(dtype)
+    if weight_layout == "dv":
+        w = jax.block_until_ready(jax.jit(jnp.transpose)(w))
+    return w
 
 
 def make_inputs(shape: Shape, dtype, seed: int, m: int, sets: int = 1) -> list[tuple[jax.Array, jax.Array]]:

@@ -10,7 +10,9 @@ after a refactor mean the GPU runs the same kernels (so the H200 validation stil
 holds); a changed line names the variant that a GPU run must check again. Variants:
 the forward kernel of every bucket plus two off-by-default knobs (delay_release on
 the chain-in-wgmma kernel, cluster on the ws kernel), trainer and serving entries,
-with and without bias, at the Qwen3-8B shape and a small one; the backward's dz
+with and without bias, at the Qwen3-8B shape and a small one; the same forward
+variants reading a [D, V] weight in place (weight_layout="dv", Qwen3-8B shape;
+their lines say `dv`, the [V, D] lines are named as before); the backward's dz
 kernel; both fold layouts. Each kernel is built through its module's public `build`
 with the static arguments `pallas_kernels.wrapper.partials` (or `sm90_dz.dz_chunk`,
 `pk.fold`) would pass.
@@ -74,13 +76,17 @@ def forward_hashes():
     configs = dict(tuning.BUCKETS)
     configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
     configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
-    for m, d, v, v_rows in ((4096, 4096, 151936, 152064), (72, 192, 1000, 1024)):
+    shapes = [("vd", 4096, 4096, 151936, 152064), ("vd", 72, 192, 1000, 1024), ("dv", 4096, 4096, 151936, 152064)]
+    for layout, m, d, v, v_rows in shapes:
         geom = pk.shard_geometry(v, v_rows)
+        w_shape = (d, v_rows) if layout == "dv" else (v_rows, d)
+        # The [V, D] variants keep their names (and build without the layout argument).
+        tag, layout_kw = (" dv", {"weight_layout": "dv"}) if layout == "dv" else ("", {})
         for name, cfg in configs.items():
             n_pad = tuning.padded_rows(m, cfg)
             for logits in (False, True):
                 for bias in (False, True):
-                    args = [_sds((n_pad, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16)]
+                    args = [_sds((n_pad, d), jnp.bfloat16), _sds(w_shape, jnp.bfloat16)]
                     if bias:
                         args.append(_sds((v_rows + 64 * geom.tiles_per_group * (geom.n_groups + 1),), jnp.float32))
                     args += [_sds((n_pad,), jnp.int32), _sds((n_pad,), jnp.float32)]
@@ -98,8 +104,9 @@ def forward_hashes():
                         interpret=False,
                         interpret_params=None,
                         lg_rows=m,
+                        **layout_kw,
                     )
-                    yield f"forward M={m} {name} logits={logits} bias={bias}", _take()
+                    yield f"forward{tag} M={m} {name} logits={logits} bias={bias}", _take()
 
 
 def backward_hashes():

@@ -2,6 +2,7 @@
 
     python -m benchmarks.run --shape tiny --m 1,8,64 --backends reference,xla,xla_chunked,gemm
     python benchmarks/run.py --shape qwen3_8b --backends pallas_sm90,xla,xla_chunked,gemm
+    python -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --weight_layout dv --ms 1,64,4096
 
 See benchmarks/README.md for the columns and the recommended H200 commands.
 """
@@ -50,6 +51,7 @@ flags.DEFINE_integer("d", None, "custom: hidden size D.")
 flags.DEFINE_integer("v", None, "custom: weight rows (padded vocab); default canonical padding of --v_real.")
 flags.DEFINE_integer("v_real", None, "custom: real vocabulary (vocab_size); default --v.")
 flags.DEFINE_list("m", [str(m) for m in DEFAULT_MS], "Rows per call (M) to sweep.")
+flags.DEFINE_alias("ms", "m")
 flags.DEFINE_list(
     "backends", ["pallas_sm90", "xla", "xla_chunked", "gemm"], f"Backends, from {list(cases.ALL_BACKENDS)}."
 )
@@ -81,6 +83,13 @@ flags.DEFINE_integer("chunk_block", 2048, "xla_chunked: vocab rows per block.")
 flags.DEFINE_string(
     "tuning", "", 'JSON dict of bit-neutral knobs passed to linear_logp (e.g. \'{"bucket": "prefill"}\').'
 )
+flags.DEFINE_enum(
+    "weight_layout",
+    "vd",
+    list(cases.WEIGHT_LAYOUTS),
+    "vd: W [V_rows, D] (lm_head); dv: the [D, V_rows] Flax/Tunix kernel, made once before timing and read in place "
+    "(library backends only).",
+)
 
 
 @dataclasses.dataclass
@@ -102,6 +111,7 @@ class RunConfig:
     gemm_out: str = "bf16"
     chunk_block: int = 2048
     tuning: dict = dataclasses.field(default_factory=dict)
+    weight_layout: str = "vd"  # "dv": the weight is the [D, V_rows] kernel (cases.make_weight)
     out: str | None = None  # None: default path
     plot: str | None = None  # None: next to out; "none": no plot
     command_line: str = ""
@@ -114,6 +124,8 @@ class RunConfig:
             raise ValueError(f"M values must be >= 1, got {self.ms}")
         if self.iters < 1 or self.warmup < 0 or self.input_sets < 1 or self.calls_per_sample < 1:
             raise ValueError("need iters >= 1, warmup >= 0, input_sets >= 1, calls_per_sample >= 1")
+        if self.weight_layout not in cases.WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be in {cases.WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
 
     def spec(self, backend: str) -> cases.CaseSpec:
         return cases.CaseSpec(
@@ -124,12 +136,14 @@ class RunConfig:
             self.gemm_out,
             self.chunk_block,
             tuple(sorted(self.tuning.items())),
+            self.weight_layout,
         )
 
     def out_path(self) -> str:
         if self.out:
             return self.out
-        name = f"{self.shape.name}_{self.entry}_{self.mode}_{device_tag()}.json"
+        layout = "" if self.weight_layout == "vd" else f"_{self.weight_layout}"
+        name = f"{self.shape.name}_{self.entry}_{self.mode}{layout}_{device_tag()}.json"
         return os.path.join(REPO_ROOT, "benchmarks", "results", name)
 
     def plot_path(self) -> str | None:
@@ -157,6 +171,7 @@ def config_from_flags() -> RunConfig:
         gemm_out=FLAGS.gemm_out,
         chunk_block=FLAGS.chunk_block,
         tuning=json.loads(FLAGS.tuning) if FLAGS.tuning else {},
+        weight_layout=FLAGS.weight_layout,
         out=FLAGS.out,
         plot=FLAGS.plot,
         command_line=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
@@ -213,7 +228,7 @@ def environment(cfg: RunConfig) -> dict:
 
 
 def make_weight(cfg: RunConfig) -> jax.Array:
-    return cases.make_weight(cfg.shape, DTYPES[cfg.dtype], cfg.seed)
+    return cases.make_weight(cfg.shape, DTYPES[cfg.dtype], cfg.seed, cfg.weight_layout)
 
 
 def make_inputs(cfg: RunConfig, m: int) -> list[tuple[jax.Array, jax.Array]]:
@@ -244,7 +259,7 @@ def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _Prob
     fn = cases.build(spec)
     arg_sets = [(h, weight, t) for h, t in inputs]
     h0, t0 = inputs[0]
-    why = cases.unsupported_reason(backend, h0, weight)
+    why = cases.unsupported_reason(backend, h0, weight, cfg.weight_layout)
     if why:
         return CaseResult(backend, m, "skipped", note=why), {}
 
@@ -353,6 +368,7 @@ def run(cfg: RunConfig) -> dict:
     _log(
         t_start,
         f"shape {s.name}: D={s.d} V_rows={s.v_rows} V_real={s.v_real} {cfg.dtype}; entry={cfg.entry} mode={cfg.mode}; "
+        f"weight_layout={cfg.weight_layout}; "
         f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}",
     )
     weight = make_weight(cfg)
@@ -405,7 +421,9 @@ def execute(cfg: RunConfig) -> dict:
         env = doc["environment"]
         s = cfg.shape
         title = (
-            f"{s.name} (D={s.d}, V={s.v_rows}/{s.v_real}) {cfg.dtype} {cfg.entry} {cfg.mode} on {env['device_kind']}"
+            f"{s.name} (D={s.d}, V={s.v_rows}/{s.v_real}) {cfg.dtype} {cfg.entry} {cfg.mode}"
+            + ("" if cfg.weight_layout == "vd" else f" weight_layout={cfg.weight_layout}")
+            + f" on {env['device_kind']}"
         )
         report.plot(results, doc["floors"], plot_path, title, cfg.hbm_tbps, cfg.peak_tflops)
     print(report.format_table(results))

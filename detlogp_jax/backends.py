@@ -74,7 +74,10 @@ class Backend:
     fold: Callable | None = None
     forward: Callable | None = None
     dz: DzKernel | None = None
-    layouts: frozenset = frozenset({"vd"})  # weight layouts it reads in place ("vd" [V, D], "dv" [D, V])
+    # Weight layouts it reads in place ("vd" [V, D], "dv" [D, V]). `supports(hidden, weight)`
+    # sees a [V, D] weight; for another declared layout it is called as
+    # `supports(hidden, weight, weight_layout=...)` with the weight in that layout.
+    layouts: frozenset = frozenset({"vd"})
     description: str = ""
     knobs: frozenset = frozenset()  # the bit-neutral tuning knobs it applies
     unavailable_reason: Callable[[], str] = lambda: "not available on this machine"
@@ -188,9 +191,12 @@ def resolve(requested: str, hidden, weight, weight_layout: str = "vd") -> tuple[
     if not backend.available():
         reason = f"backend {target!r} is not available on this machine: {backend.unavailable_reason()}"
     else:
-        ok, why = backend.supports(hidden, weight)
-        if ok and weight_layout not in backend.layouts:
+        if weight_layout not in backend.layouts:
             ok, why = False, f"it does not read a weight_layout={weight_layout!r} weight in place"
+        elif weight_layout == "vd":
+            ok, why = backend.supports(hidden, weight)
+        else:  # a backend declaring another layout takes it as supports(..., weight_layout=)
+            ok, why = backend.supports(hidden, weight, weight_layout=weight_layout)
         if not ok:
             reason = f"backend {target!r} cannot serve this call: {why}"
     if reason is None:
@@ -213,7 +219,7 @@ def _reference() -> Backend:
         name="reference",
         contract_bearing=True,
         available=lambda: True,
-        supports=lambda h, w: (True, ""),
+        supports=lambda h, w, weight_layout="vd": (True, ""),
         partials=reference.partials,
         fold=reference.fold,
         layouts=frozenset({"vd", "dv"}),
@@ -229,7 +235,7 @@ def _xla() -> Backend:
         name="xla",
         contract_bearing=False,
         available=lambda: True,
-        supports=lambda h, w: (True, ""),
+        supports=lambda h, w, weight_layout="vd": (True, ""),
         forward=xla_backend.forward,
         layouts=frozenset({"vd", "dv"}),
         description="materialized XLA logits + log_softmax: today's baseline, not batch-invariant",

@@ -2,7 +2,7 @@
 
 Interface (mirrors `detlogp_jax.reference`):
   partials(hidden, weight, bias, targets, inv_t, *, vocab_size, padded_vocab_size,
-           col_offset=0, shard_cols=None, return_logits=False)
+           col_offset=0, shard_cols=None, return_logits=False, weight_layout="vd")
       -> (m [N, n_local], s [N, n_local], z_t [N], owned [N], logits [N, Vl] | None)
   fold(m, s, z_t, targets, inv_t, vocab_size) -> (logp [N], lse [N])
 plus `is_available()`, `unavailable_reason()`, `supports(hidden, weight)`,
@@ -10,7 +10,9 @@ plus `is_available()`, `unavailable_reason()`, `supports(hidden, weight)`,
 bit-neutral launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
 
 Supported: bf16 hidden and weight, D a positive multiple of 64, a CUDA GPU of
-compute capability 9.x (or interpret mode on any host).
+compute capability 9.x (or interpret mode on any host). The weight is read in
+place in either layout: [V, D] (weight_layout="vd", lm_head) or [D, V] ("dv", a
+Flax/Tunix kernel; V a multiple of 64), same kernels, same bytes.
 
 Modules: `wrapper` (host side: `partials`, `unsupported`), one per kernel
 (`sm90_forward_wgmma`: the chain in the wgmma warpgroups; `sm90_forward_ws`:
@@ -53,9 +55,10 @@ def is_available() -> bool:
     return not unavailable_reason()
 
 
-def supports(hidden, weight) -> tuple[bool, str]:
-    """(ok, reason): whether this backend accepts these operands (shapes/dtypes only)."""
-    why = unsupported(hidden, weight)
+def supports(hidden, weight, weight_layout: str = "vd") -> tuple[bool, str]:
+    """(ok, reason): whether this backend accepts these operands (shapes/dtypes only);
+    weight is [V, D] (weight_layout="vd") or [D, V] ("dv", read in place)."""
+    why = unsupported(hidden, weight, weight_layout)
     return (why is None), (why or "ok")
 
 

@@ -19,6 +19,12 @@ def backend_entry() -> Backend:
         supports=pk.supports,
         partials=pk.partials,
         fold=pk.fold,
+        # The forward kernels read [V, D] and [D, V] weights in place (same bytes: the
+        # K walk, instruction shapes and trees do not depend on where wgmma's B comes from).
+        layouts=frozenset({"vd", "dv"}),
+        # The dz kernel takes [chunk, D] weight chunks only (DzKernel.layouts = {"vd"}):
+        # the backward of a "dv" call forms dz with XLA per [D, chunk] chunk, read in
+        # place (detlogp_jax.grad), not with this kernel.
         dz=DzKernel(
             fn=sm90_dz.dz_chunk,
             supports=lambda h, w, chunk: (

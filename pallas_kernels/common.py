@@ -17,6 +17,9 @@ kernel module or the host wrapper.
 * `row_layout`, `col_layout`, `layout_of`, `load`, `cast`, `zero_acc`:
   register layouts and the loads/casts that are identities in interpret mode.
 * `unpack_refs`, `out_type`: the forward kernels' operands and outputs.
+* `WEIGHT_LAYOUTS`, `check_weight_layout`, `DV_COL_MULTIPLE`: the weight layouts
+  the forward kernels read in place ("vd": lm_head [Vl, D]; "dv": a Flax/Tunix
+  kernel [D, Vl]) and what a "dv" weight's column count must divide by.
 """
 
 from __future__ import annotations
@@ -35,6 +38,24 @@ F32 = jnp.float32
 TILE = C.TILE_V
 TILE_K = 64  # K slice per pipeline step: 64 bf16 = 128 bytes = one 128B swizzle row.
 SWIZZLE = 128
+
+# Weight layouts the forward kernels read in place (a static build argument):
+# "vd": W [Vl, D], the lm_head layout; TMA copies [N rows, K] blocks and wgmma
+#       reads the B operand through a transposed view of the tile.
+# "dv": W.T [D, Vl], a Flax/Tunix kernel; TMA copies [K rows, N columns] blocks
+#       and wgmma reads the tile as B directly (an N-major operand).
+WEIGHT_LAYOUTS = ("vd", "dv")
+# A "dv" weight's vocab columns are TMA's tiled minor dimension (one 128-byte
+# swizzle row = 64 bf16 columns per tile): Mosaic tiles the whole [D, Vl] array,
+# so Vl must be a multiple of 64 (real vocabularies and their canonical padding are).
+DV_COL_MULTIPLE = SWIZZLE // 2
+
+
+def check_weight_layout(weight_layout: str) -> bool:
+    """True for "dv", False for "vd"; ValueError for anything else."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    return weight_layout == "dv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +238,9 @@ __all__ = [
     "TILE",
     "TILE_K",
     "SWIZZLE",
+    "WEIGHT_LAYOUTS",
+    "DV_COL_MULTIPLE",
+    "check_weight_layout",
     "ShardGeometry",
     "shard_geometry",
     "work_item",

@@ -16,6 +16,12 @@ identical bytes. `detlogp_jax.grad` calls it per chunk when the backend is
 pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
 entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
 geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).
+
+Weight layout: w_c is a [chunk, D] slice of a [V, D] weight only (the registry's
+`DzKernel.layouts` is the default {"vd"}). A call with a [D, V] kernel
+(weight_layout="dv", whose forward the pallas_sm90 kernels read in place) runs
+its backward on `detlogp_jax.grad`'s XLA-formed dz path, which reads each
+[D, chunk] chunk in place; this kernel is not used there.
 """
 
 from __future__ import annotations

@@ -36,6 +36,15 @@ the last K slice of a group it runs the chain (`common.chain_step`) over the
 group's w tiles in ascending order and zeroes the accumulator. The chain state
 (m, S, z_t) is the pipeline carry (registers).
 
+Weight layouts (`build(weight_layout=...)`, static): "vd" reads W [Vl, D] as
+[64 w, 64] blocks that wgmma takes through a transposed view; "dv" reads the
+Flax/Tunix kernel W.T [D, Vl] in place as [64, 64 w] blocks (the same K slice
+of the same vocab columns) that wgmma takes as an N-major B operand. The wgmma
+instructions (m64nNk16, k ascending, one FP32 accumulator per tile group), the
+epilogue and every tree are the same, so both layouts are to give the same
+bytes; only how B reaches shared memory differs (to be confirmed on the H200:
+tests/gpu/h200_layout.sh).
+
 `sm90_forward_ws` (the decode and prefill buckets) is the same work items and
 bits with the chain in dedicated epilogue warpgroups fed through shared memory.
 """
@@ -66,10 +75,24 @@ def build(
     interpret: bool,
     interpret_params=None,
     lg_rows: int | None = None,
+    weight_layout: str = "vd",
 ):
-    """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
+    """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
+
+    weight_layout (static): "vd", the weight is [Vl, D] (each pipeline step copies a
+    [64 w, 64] block, rows = vocab columns, and wgmma reads it through `.T`); "dv",
+    the weight is [D, Vl] read in place (each step copies the [64, 64 w] block of the
+    same K slice and columns, and wgmma reads it as B directly, an N-major operand;
+    Vl a multiple of `common.DV_COL_MULTIPLE`). Same transforms, same wgmma calls
+    (m64nNk16, k ascending, one FP32 accumulator per group), same epilogue: the K
+    walk, the instruction shapes and the trees do not depend on where B comes from,
+    so both layouts are to give the same bytes (interpret mode checks the indexing;
+    the bits of the non-transposed B read are for the H200 to confirm). The "vd"
+    module is the one built before this argument existed.
+    """
     if not isinstance(cfg, tuning.WgmmaForwardConfig):
         raise TypeError(f"sm90_forward_wgmma needs a tuning.WgmmaForwardConfig, got {type(cfg).__name__}")
+    dv = common.check_weight_layout(weight_layout)
     bm = cfg.block_m
     n_wg = cfg.num_compute_wgs
     cta_rows = cfg.cta_rows
@@ -96,6 +119,14 @@ def build(
     n_items = n_local * n_rb
     load, cast = common.load, common.cast
 
+    # The weight's block of step (g, k): K slice k of tile group g's columns, in the weight's
+    # layout ("dv": [K, N], the vocab columns minor; "vd": [N, K]). Same transforms either way
+    # (a 128B-swizzled 64-element minor dimension), so the SMEM tile is what wgmma reads.
+    if dv:
+        w_spec = plgpu.BlockSpec((TILE_K, gcols), lambda g, k: (k, g), transforms=transforms, delay_release=delay)
+    else:
+        w_spec = plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms, delay_release=delay)
+
     def kernel(*refs):
         h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
             refs, has_bias, return_logits
@@ -110,7 +141,7 @@ def build(
                     plgpu.BlockSpec(
                         (cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms, delay_release=delay
                     ),
-                    plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms, delay_release=delay),
+                    w_spec,
                 ],
                 wg_axis="wg",
                 num_compute_wgs=n_wg,
@@ -119,12 +150,15 @@ def build(
             )
 
         ignore = lambda *_, **__: None
-        w_span = n_groups * gcols  # weight rows touched by one work item (may run past Vl: TMA zero fill)
+        # Weight rows ("vd") / columns ("dv") touched by one work item (may run past Vl: TMA zero fill).
+        w_span = n_groups * gcols
+
+        def w_window(start):
+            """The weight's vocab columns [start, start + w_span) in its own layout."""
+            return w_gmem.at[:, pl.ds(start, w_span)] if dv else w_gmem.at[pl.ds(start, w_span), :]
 
         scoped = dict(
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-                h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, w_span), :]
-            ),
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(h_gmem.at[pl.ds(0, cta_rows), :], w_window(0)),
         )
         # TMA needs the logits row length to be a multiple of the staging tile's
         # minor tiling (swizzle bytes / 4 f32): pick the widest swizzle that
@@ -144,7 +178,7 @@ def build(
                 j = js + j0
                 t0, t1 = common.split_tiles(geom, j)
                 row0 = rb * cta_rows
-                wrow0 = t0 * TILE - c0  # first weight row of this split
+                wrow0 = t0 * TILE - c0  # first weight row ("vd") / column ("dv") of this split
                 limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
 
                 def compute_context(eval_pipeline):
@@ -229,7 +263,8 @@ def build(
                 def mma_body(idxs, h_smem, w_smem, carry):
                     g, k = idxs
                     acc_ref, m, s, zt = carry
-                    plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
+                    # B = the [K, N] view of the tile: the tile itself ("dv") or its transpose ("vd").
+                    plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem if dv else w_smem.T)
                     plgpu.wgmma_wait(delay)
                     m, s, zt = lax.cond(
                         k == k_iters - 1,
@@ -243,7 +278,7 @@ def build(
 
                 get_pipeline(mma_body, compute_context)(
                     h_gmem.at[pl.ds(row0, cta_rows), :],
-                    w_gmem.at[pl.ds(wrow0, w_span), :],
+                    w_window(wrow0),
                     allocations=pipeline_allocs,
                 )
 

@@ -36,6 +36,12 @@ each weight K slice's copy with `collective_axes="cluster"` (each loads half the
 and multicasts them), and `empty` becomes a cluster barrier (a slot is free once the
 wgmma warpgroups of both CTAs released it). The wgmmas read the same bytes.
 
+Weight layouts (`build(weight_layout=...)`, static): "vd" (W [Vl, D], ring slots
+[64 w, tile_k], wgmma reads `slot.T`) or "dv" (the Flax/Tunix kernel W.T [D, Vl]
+read in place, slots [tile_k, 64 w], wgmma reads the slot as an N-major B): the
+same bytes land in a slot's operand view, the same instructions run, so both
+layouts are to give the same bits (to be confirmed on the H200).
+
 Shared memory: stages * (rows + 64 w) * 2 * tile_k bytes for the ring plus
 num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
 2 x 64 rows, tile_k = 64: 3 stages = 120 KiB + 96 KiB).
@@ -96,10 +102,26 @@ def build(
     interpret: bool,
     interpret_params=None,
     lg_rows: int | None = None,
+    weight_layout: str = "vd",
 ):
-    """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`)."""
+    """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
+
+    weight_layout (static): "vd", the weight is [Vl, D] (the producer copies [64 w,
+    tile_k] blocks into ring slots of that shape and wgmma reads `slot.T`); "dv", the
+    weight is [D, Vl] read in place (it copies the [tile_k, 64 w] block of the same K
+    slice and columns into slots of that shape, and wgmma reads the slot as B
+    directly, an N-major operand; Vl a multiple of `common.DV_COL_MULTIPLE`). Same
+    transforms (tile_k-element swizzle rows), same ring bytes, same barriers, same
+    wgmma calls (m64nNk16, k ascending, one FP32 accumulator per group) and the same
+    epilogue, so both layouts are to give the same bytes (interpret mode checks the
+    indexing; the bits of the non-transposed B read are for the H200 to confirm).
+    With cluster=2 the multicast splits the dv block along its K rows (each CTA
+    loads tile_k / 2 rows of every column) instead of along the vocab rows. The "vd"
+    module is the one built before this argument existed.
+    """
     if not isinstance(cfg, tuning.WsForwardConfig):
         raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
+    dv = common.check_weight_layout(weight_layout)
     bm = cfg.block_m
     n_mma, n_epi = cfg.num_compute_wgs, cfg.epilogue_wgs  # (checked by WsForwardConfig)
     per_epi = n_mma // n_epi  # hand-off buffers served by one epilogue warpgroup
@@ -145,7 +167,10 @@ def build(
 
         scoped = dict(
             h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
-            w_smem=plgpu.SMEM((stages, gcols, tile_k), jnp.bfloat16, transforms=transforms),
+            # A ring slot holds the weight's block in the weight's layout ("dv": [tile_k, 64 w]).
+            w_smem=plgpu.SMEM(
+                (stages, tile_k, gcols) if dv else (stages, gcols, tile_k), jnp.bfloat16, transforms=transforms
+            ),
             # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
             # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
             # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
@@ -187,7 +212,7 @@ def build(
 
                 def item_body(li, step):
                     _, rb, t0, _ = item(li)
-                    row0, wrow0 = rb * cta_rows, t0 * TILE - c0
+                    row0, wrow0 = rb * cta_rows, t0 * TILE - c0  # wrow0: first weight row / column of the split
 
                     def load_step(sk, step):
                         g = sk // k_iters
@@ -197,11 +222,16 @@ def build(
                         plgpu.copy_gmem_to_smem(
                             h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * tile_k, tile_k)], h_smem.at[slot], full.at[slot]
                         )
-                        # Rows past the weight's end (the last group of the last split) read as zero (TMA fill).
-                        # In a cluster both CTAs issue this same copy: each loads half the rows and
-                        # multicasts them to both, and each CTA's full[slot] awaits all gcols rows.
+                        # Rows ("vd") / columns ("dv") past the weight's end (the last group of the last
+                        # split) read as zero (TMA fill). In a cluster both CTAs issue this same copy:
+                        # each loads half the block and multicasts it to both, and each CTA's
+                        # full[slot] awaits the whole block.
+                        if dv:
+                            w_block = w_gmem.at[pl.ds(k * tile_k, tile_k), pl.ds(wrow0 + g * gcols, gcols)]
+                        else:
+                            w_block = w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)]
                         plgpu.copy_gmem_to_smem(
-                            w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)],
+                            w_block,
                             w_smem.at[slot],
                             full.at[slot],
                             collective_axes="cluster" if cl > 1 else None,
@@ -227,7 +257,9 @@ def build(
                         acc_ref, step = carry
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(full.at[slot])
-                        plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_smem.at[slot].T)
+                        # B = the [K, N] view of the slot: the slot itself ("dv") or its transpose ("vd").
+                        w_tile = w_smem.at[slot] if dv else w_smem.at[slot].T
+                        plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_tile)
                         plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
 
                         @pl.when(k > 0)

@@ -2,7 +2,8 @@
 
 `partials` checks the operands, picks the launch config (`tuning.select_bucket`:
 an M bucket, or a forced bucket / config), pads the rows (and the weight rows
-to a multiple of 8, the bias to whole tile groups), launches the kernel the
+of a [V, D] weight to a multiple of 8, the bias to whole tile groups; a [D, V]
+weight, `weight_layout="dv"`, is read in place, never copied), launches the kernel the
 config's type names (`tuning.WgmmaForwardConfig` -> `sm90_forward_wgmma`,
 `tuning.WsForwardConfig` -> `sm90_forward_ws`; one jit per padded row count, so
 eager callers whose N pads to the same row blocks share a compiled kernel),
@@ -38,6 +39,7 @@ _STATIC = (
     "interpret",
     "interpret_params",
     "lg_rows",
+    "weight_layout",
 )
 
 
@@ -57,30 +59,44 @@ def _forward_core(*args, cfg, **static):
     return _kernel_module(cfg).build(cfg=cfg, **static)(*args)
 
 
-def unsupported(hidden, weight) -> str | None:
-    """Why these kernels cannot take these operands (shapes/dtypes only), or None."""
+def unsupported(hidden, weight, weight_layout: str = "vd") -> str | None:
+    """Why these kernels cannot take these operands (shapes/dtypes only), or None.
+
+    weight_layout: "vd" (weight [V, D]) or "dv" (weight [D, V], read in place; its
+    V must be a multiple of `common.DV_COL_MULTIPLE`, since TMA tiles the vocab
+    columns in 64-column swizzle rows and a padded copy would be the very weight
+    copy this layout avoids)."""
+    dv = common.check_weight_layout(weight_layout)
+    shape_name = "[D, V]" if dv else "[V, D]"
     if getattr(hidden, "ndim", None) != 2 or getattr(weight, "ndim", None) != 2:
-        return f"hidden must be [N, D] and weight [V, D], got {hidden.shape}, {weight.shape}"
+        return f"hidden must be [N, D] and weight {shape_name}, got {hidden.shape}, {weight.shape}"
     if hidden.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
         return (
             f"pallas_sm90 supports bf16 hidden and weight only (got {hidden.dtype}, {weight.dtype}); "
             "route other dtypes to the reference backend"
         )
     d = hidden.shape[1]
-    if weight.shape[1] != d:
-        return f"hidden size mismatch: hidden {hidden.shape} vs weight {weight.shape}"
+    if weight.shape[0 if dv else 1] != d:
+        return f"hidden size mismatch: hidden {hidden.shape} vs weight {weight.shape} ({shape_name})"
     if d % TILE_K or d == 0:
         return f"pallas_sm90 needs the hidden size D to be a positive multiple of {TILE_K}, got {d}"
+    if dv and weight.shape[1] % common.DV_COL_MULTIPLE:
+        return (
+            f"pallas_sm90 reads a [D, V] weight in place only when V is a multiple of {common.DV_COL_MULTIPLE} "
+            f"(TMA tiles the vocab columns), got V={weight.shape[1]}; pad the kernel's columns once (e.g. to "
+            "padded_vocab_size) or pass the [V, D] weight with weight_layout='vd'"
+        )
     return None
 
 
-def _check_inputs(hidden, weight, bias, targets, inv_t):
-    why = unsupported(hidden, weight)
+def _check_inputs(hidden, weight, bias, targets, inv_t, weight_layout):
+    why = unsupported(hidden, weight, weight_layout)
     if why:
         raise ValueError(why)
     n = hidden.shape[0]
-    if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {bias.shape}")
+    v_rows = weight.shape[1 if weight_layout == "dv" else 0]
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != v_rows):
+        raise ValueError(f"bias must be [{v_rows}], got {bias.shape}")
     if targets.shape != (n,) or inv_t.shape != (n,):
         raise ValueError(f"targets and inv_t must be [{n}], got {targets.shape}, {inv_t.shape}")
 
@@ -109,14 +125,18 @@ def partials(
     num_ctas: int | None = None,
     interpret: bool = False,
     interpret_params=None,
+    weight_layout: str = "vd",
 ):
-    """Per-split LSE partials of z = hidden @ weight.T (+ bias) for the local shard.
+    """Per-split LSE partials of z = hidden @ W.T (+ bias) for the local shard.
 
     Args:
-      hidden: [N, D] bf16. weight: [Vl, D] bf16, row r is global column
-        col_offset + r; Vl may be smaller than the shard width (rows past Vl
-        read as zero through TMA out-of-bounds fill and are padding lanes
-        anyway, since they must lie at or past vocab_size).
+      hidden: [N, D] bf16. weight: W [Vl, D] bf16 (weight_layout="vd"), row r
+        is global column col_offset + r; or W.T [D, Vl] (weight_layout="dv",
+        a Flax/Tunix kernel, read in place: no transposed copy), column r is
+        global column col_offset + r, Vl a multiple of 64. Vl may be smaller
+        than the shard width (vocab columns past Vl read as zero through TMA
+        out-of-bounds fill and are padding lanes anyway, since they must lie at
+        or past vocab_size).
       bias: [Vl] f32 or None. targets: [N] int32 global vocab ids (-100 ignore).
       inv_t: [N] f32, fl(1/T) per row.
       vocab_size / padded_vocab_size: the real and the canonical padded vocab;
@@ -135,6 +155,15 @@ def partials(
         experiments).
       num_ctas: force the persistent CTA count (bit-neutral).
       interpret: run under `plgpu.InterpretGPUParams` on CPU.
+      weight_layout: "vd" or "dv" (a static kernel build argument). The kernel
+        copies the same K slice of the same vocab columns into shared memory in
+        either layout and runs the same wgmma sequence per accumulator
+        (m64nNk16, k ascending, one FP32 accumulator) and the same epilogue; only
+        how B reaches shared memory (and wgmma's B operand major-ness) differs, so
+        the partials and logits are to be the same bytes in both layouts (the
+        H200 checks it: tests/gpu/test_pallas_gpu.py, tests/gpu/h200_layout.sh).
+        The dv weight is never padded or copied (`unsupported` refuses a V that
+        is not a multiple of 64).
 
     Returns:
       (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
@@ -147,20 +176,23 @@ def partials(
     inv_t = jnp.asarray(inv_t, F32)
     if bias is not None:
         bias = jnp.asarray(bias, F32)
-    _check_inputs(hidden, weight, bias, targets, inv_t)
+    dv = common.check_weight_layout(weight_layout)
+    _check_inputs(hidden, weight, bias, targets, inv_t, weight_layout)
     geom = common.shard_geometry(vocab_size, padded_vocab_size, col_offset, shard_cols)
     n, d = hidden.shape
-    v_rows = weight.shape[0]
+    v_rows = weight.shape[1 if dv else 0]  # the weight's vocab entries (rows of [V, D], columns of [D, V])
+    vocab_axis = "columns" if dv else "rows"
     shard_end = geom.col_offset + geom.shard_cols
     if v_rows > geom.shard_cols:
-        raise ValueError(f"weight has {v_rows} rows but the shard has only {geom.shard_cols} columns")
+        raise ValueError(f"weight has {v_rows} {vocab_axis} but the shard has only {geom.shard_cols} columns")
     if geom.col_offset + v_rows < min(geom.vocab_size, shard_end):
         raise ValueError(
-            f"weight rows [{geom.col_offset}, {geom.col_offset + v_rows}) do not cover the real vocabulary "
+            f"weight {vocab_axis} [{geom.col_offset}, {geom.col_offset + v_rows}) do not cover the real vocabulary "
             f"columns of the shard (vocab_size={geom.vocab_size})"
         )
     # TMA views the weight as 8-row tiles: a row count that is not a multiple
     # of 8 needs a padded copy (rare: real vocabularies are multiples of 8).
+    # A "dv" weight is never copied: its columns are a multiple of 64 (checked).
     v_rows8 = -(-v_rows // 8) * 8
     if v_rows8 != v_rows:
         weight = _pad_rows(weight, v_rows8)  # (bias is padded to the full width below)
@@ -196,6 +228,7 @@ def partials(
         interpret=interpret,
         interpret_params=interpret_params,
         lg_rows=lg_rows,
+        weight_layout=weight_layout,
     )
     m_t, s_t, zt_t = outs[:3]
     logits = None

@@ -1,5 +1,6 @@
 """End-to-end smoke test of the benchmark runner on CPU (tiny shape)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -212,6 +213,7 @@ def test_trace_summary_prefers_device_threads():
 
 
 _EXPERIMENTS_DRY_RUN = r"""
+import dataclasses
 import json
 from benchmarks.experiments import gemm_ceiling, kernel_timing as kt, power_probe, probe_kernel
 from pallas_kernels import tuning
@@ -260,3 +262,33 @@ def test_kernel_experiments_plan_valid_configs():
     assert len(planned) > 50
     kinds = {k for *_, k in planned}
     assert kinds == {"WgmmaForwardConfig", "WsForwardConfig"}
+
+
+def test_dv_weight_layout_sweep():
+    """--weight_layout dv (with the --ms alias): the weight is the [D, V_rows] kernel made once
+    (the transpose of the vd weight); library backends read it in place with the same logp/lse
+    bytes as the vd sweep's, the [V, D]-only baselines are skipped with a reason."""
+    try:
+        run.FLAGS(["run", "--shape=tiny", "--ms=1,8", "--weight_layout=dv", "--backends=reference,xla_chunked"])
+        cfg = run.config_from_flags()
+    finally:
+        run.FLAGS.unparse_flags()
+    assert cfg.ms == (1, 8) and cfg.weight_layout == "dv" and cfg.out_path().endswith("_dv_cpu.json")
+    cfg = run.RunConfig(**{**cfg.__dict__, "warmup": 1, "iters": 2, "backends": ("reference", "xla", "xla_chunked")})
+    w_vd = run.make_weight(dataclasses.replace(cfg, weight_layout="vd"))
+    w_dv = run.make_weight(cfg)
+    assert w_dv.shape == (64, 1024) and np.array_equal(np.asarray(w_dv), np.asarray(w_vd).T)
+    doc = run.run(cfg)
+    assert doc["config"]["weight_layout"] == "dv"
+    got = _cases(doc)
+    for m in (1, 8):
+        assert got[("xla_chunked", m)]["status"] == "skipped" and "[V, D]" in got[("xla_chunked", m)]["note"]
+        for b in ("reference", "xla"):
+            assert got[(b, m)]["status"] == "ok", got[(b, m)]
+        assert got[("reference", m)]["determinism"].startswith(("bitwise-invariant", "trivial"))
+        h, t = run.make_inputs(cfg, m)[0]
+        spec = cfg.spec("reference")
+        dv = jax.jit(cases.build(spec))(h, w_dv, t)
+        vd = jax.jit(cases.build(dataclasses.replace(spec, weight_layout="vd")))(h, w_vd, t)
+        for k in ("logp", "lse"):
+            assert np.array_equal(np.asarray(dv[k]).view(np.uint32), np.asarray(vd[k]).view(np.uint32)), k

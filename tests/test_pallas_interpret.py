@@ -390,3 +390,94 @@ def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
             return_logits=True,
             logits_cols=385,
         )
+
+
+# --- weight_layout="dv": a [D, V] kernel read in place ---------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("logits", [True, False], ids=["serving", "trainer"])
+@pytest.mark.parametrize("bucket", ["decode", "small", "prefill"])
+def test_dv_kernel_equals_vd_kernel_on_the_transposed_weight(bucket, logits, bias):
+    """weight_layout="dv" on K [D, Vl] gives the bytes of the "vd" kernel on K.T [Vl, D]: m, S,
+    z_t, owned and the logits, every bucket, both entries, bias on/off, per-row temperatures,
+    edge targets, a vocab (328) below the weight's columns (384) below the padded vocab (512):
+    the last split's tile groups read columns past Vl (TMA zero fill). One CTA with race
+    detection (two CTAs for the trainer entry: the work order must not matter either)."""
+    n, d, v, vl, vp = 70, 128, 328, 384, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, vl, bias=bias, seed=11, per_row_t=True)
+    t = np.where(t >= v, v - 2, t).astype(np.int32)  # in the vocabulary, then the edge targets:
+    t[1], t[2] = v - 1, vl + 3  # the last real column; a column with no weight (not owned)
+    t[4] = v + 3  # past the vocabulary but owned (its weight column exists): NaN logp
+    kernel = jnp.asarray(np.asarray(w).T)  # [D, Vl], its own buffer
+    ctas = 1 if logits else 2
+    kw = dict(bucket=bucket, num_ctas=ctas, return_logits=logits)
+    ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, **kw)
+    out, logp, lse = _run(h, kernel, b, t, inv_t, v, vp, races=logits, weight_layout="dv", **kw)
+    names = ("m", "s", "z_t", "owned") + (("logits",) if logits else ())
+    for k, name in enumerate(names):
+        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), f"{name} {bucket}")
+    if not logits:
+        assert out[4] is None
+    assert_bitwise_equal(logp, ref_logp, "logp")
+    assert_bitwise_equal(lse, ref_lse, "lse")
+    if logits:  # and the dv kernel's partials are the contract of its own logits
+        _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket", ["small", "decode"])
+def test_dv_kernel_multi_group_splits_and_tp_shards(monkeypatch, bucket):
+    """dv == vd with w forced to 1 (a split spans 2 tile groups: the chain across groups and
+    column offsets inside the split), and on a TP shard (col_offset=256) of a [D, 256] kernel."""
+    n, d, v, vp = 3, 192, 17300, 17408
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=3)
+    wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+    bp = jnp.pad(b, (0, vp - v))
+    monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: 1)
+    kw = dict(bucket=bucket, num_ctas=2, return_logits=True)
+    ref, _, _ = _run(h, wp, bp, t, inv_t, v, vp, **kw)
+    out, _, _ = _run(h, jnp.asarray(np.asarray(wp).T), bp, t, inv_t, v, vp, weight_layout="dv", **kw)
+    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
+        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
+    monkeypatch.undo()
+    n, d, v, vp = 16, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=2)
+    wp = jnp.pad(w, ((0, vp - v), (0, 0)))
+    bp = jnp.pad(b, (0, vp - v))
+    shard = dict(col_offset=256, shard_cols=256, bucket=bucket, num_ctas=2, return_logits=True)
+    args = (jnp.asarray(t), jnp.asarray(inv_t))
+    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, **shard)
+    ref = pk.partials(h, wp[256:], bp[256:], *args, **kw)
+    out = pk.partials(h, jnp.asarray(np.asarray(wp[256:]).T), bp[256:], *args, weight_layout="dv", **kw)
+    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
+        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), f"{name} shard")
+
+
+def test_dv_weight_columns_not_a_multiple_of_64_are_refused():
+    """A [D, V] kernel is never copied: V % 64 != 0 is refused (TMA tiles the vocab columns),
+    by `supports` (so auto falls back) and by `partials`; a [V, D] weight of the same V is fine."""
+    h = jnp.zeros((4, 128), jnp.bfloat16)
+    k = jnp.zeros((128, 328), jnp.bfloat16)
+    ok, why = pk.supports(h, k, "dv")
+    assert not ok and "multiple of 64" in why
+    assert pk.supports(h, k.T) == (True, "ok")
+    assert pk.supports(h, jnp.zeros((128, 384), jnp.bfloat16), "dv") == (True, "ok")
+    assert not pk.supports(h, jnp.zeros((384, 128), jnp.bfloat16), "dv")[0]  # a [V, D] weight as "dv"
+    t, it = jnp.zeros((4,), jnp.int32), jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pk.partials(h, k, None, t, it, vocab_size=328, padded_vocab_size=512, interpret=True, weight_layout="dv")
+    with pytest.raises(ValueError, match=r"bias must be \[384\]"):
+        pk.partials(
+            h,
+            jnp.zeros((128, 384), jnp.bfloat16),
+            jnp.zeros((128,), jnp.float32),
+            t,
+            it,
+            vocab_size=328,
+            padded_vocab_size=512,
+            interpret=True,
+            weight_layout="dv",
+        )
+    with pytest.raises(ValueError, match="weight_layout"):
+        pk.partials(h, k, None, t, it, vocab_size=328, padded_vocab_size=512, interpret=True, weight_layout="kv")

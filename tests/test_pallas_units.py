@@ -451,10 +451,11 @@ def test_supports_and_input_errors():
     assert pk.BACKEND_NAME == "pallas_sm90"
 
 
-def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None):
-    vl = v if shard_cols is None else min(v - col_offset, shard_cols)
+def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None, weight_layout="vd", vl=None):
+    if vl is None:
+        vl = v if shard_cols is None else min(v - col_offset, shard_cols)
     h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((vl, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d, vl) if weight_layout == "dv" else (vl, d), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((vl,), jnp.float32) if bias else None
     t = jax.ShapeDtypeStruct((n,), jnp.int32)
     it = jax.ShapeDtypeStruct((n,), jnp.float32)
@@ -472,6 +473,7 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None):
             shard_cols=shard_cols,
             return_logits=logits,
             bucket=bucket,
+            weight_layout=weight_layout,
         )
 
     jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",))
@@ -486,6 +488,74 @@ def test_forward_lowers_for_cuda(bucket):
 def test_cluster_forward_lowers_for_cuda():
     c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
     _lower(300, 192, 1000, 1024, c2, bias=True, logits=True)
+
+
+_DV_VARIANTS = [
+    *sorted(tuning.BUCKETS),
+    dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="tile_k32", tile_k=32, epilogue_slices=4),
+]
+
+
+@pytest.mark.parametrize("bucket", _DV_VARIANTS, ids=lambda b: getattr(b, "name", b))
+def test_dv_forward_lowers_for_cuda(bucket):
+    """weight_layout="dv": Mosaic accepts the [tile_k, 64 w] TMA blocks of a [D, V] weight
+    (tiling/swizzle over the vocab columns, multicast split along K for cluster=2) and the
+    N-major wgmma B operand, for both kernels, both entries, a TP shard."""
+    rows = 300 if getattr(bucket, "cluster", 1) > 1 else 70
+    _lower(rows, 192, 1000, 1024, bucket, bias=True, logits=True, weight_layout="dv", vl=1024)
+    _lower(
+        rows,
+        192,
+        1000,
+        1024,
+        bucket,
+        bias=False,
+        logits=False,
+        col_offset=512,
+        shard_cols=512,
+        weight_layout="dv",
+        vl=512,
+    )
+
+
+def test_dv_wgmma_reads_b_n_major_with_the_same_instructions():
+    """The dv module issues the vd module's wgmma instructions (same m64nNk16 shapes and
+    count) with wgmma's B-transpose immediate set (an N-major B read from shared memory)
+    where vd has it clear (a K-major B seen through .T); the immediates are the last
+    operands of each wgmma's inline PTX (tnspA, tnspB after use-out, scale-a, scale-b)."""
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    captured = []
+    original = mosaic_core._run_serde_pass
+
+    def capture(module, *args, **kwargs):
+        if kwargs.get("serialize"):
+            captured.append(module.operation.get_asm(enable_debug_info=False))
+        return original(module, *args, **kwargs)
+
+    mosaic_core._run_serde_pass = capture
+    try:
+        for layout in ("vd", "dv"):
+            _lower(128, 128, 328, 512, "small", bias=False, logits=False, weight_layout=layout, vl=512)
+    finally:
+        mosaic_core._run_serde_pass = original
+    vd, dv = captured[-2:]
+    instr = lambda text: re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", text)
+    assert instr(vd) and instr(vd) == instr(dv)
+
+    def transposes(text):
+        consts = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((-?\d+) : i32\) : i32", text))
+        out = set()
+        for line in text.splitlines():
+            if "wgmma.mma_async" in line:
+                operands = re.search(r"\"\s+([^\"]*?) : \(", line).group(1).split(", ")
+                out.add(tuple(consts[o] for o in operands[-2:]))  # the immediates (tnspA, tnspB)
+        return out
+
+    assert transposes(vd) == {("0", "0")}
+    assert transposes(dv) == {("0", "1")}
 
 
 @pytest.mark.parametrize(
@@ -511,3 +581,31 @@ def test_fold_lowers_for_cuda(n, n_split, knobs):
 def test_qwen_forward_lowers_for_cuda():
     _lower(4096, 4096, 151936, 152064, "prefill", bias=False, logits=False)
     _lower(1, 4096, 151936, 152064, "decode", bias=False, logits=True)
+    # A Flax/Tunix [4096, 151936] kernel read in place (unpadded, declared with the padded vocab).
+    _lower(4096, 4096, 151936, 152064, "prefill", bias=False, logits=False, weight_layout="dv")
+    _lower(1, 4096, 151936, 152064, "decode", bias=False, logits=True, weight_layout="dv")
+
+
+def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
+    """The registry entry declares both layouts; resolve asks `supports` with the layout, so a
+    [D, V] kernel with V % 64 == 0 is served, one with V % 64 != 0 raises for an explicit
+    request and falls back under auto (on this CPU the backend is made 'available')."""
+    from detlogp_jax import backends
+
+    be = backends.get("pallas_sm90")
+    assert be.layouts == frozenset({"vd", "dv"})
+    assert be.dz.layouts == frozenset({"vd"})  # the dv backward forms dz with XLA
+    fake = type(be)(**{**be.__dict__, "available": lambda: True})
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
+    h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+    assert backends.resolve("pallas_sm90", h, k, "dv") == (fake, False)
+    assert backends.resolve("pallas_sm90", h, jax.ShapeDtypeStruct((512, 128), jnp.bfloat16), "vd") == (fake, False)
+    odd = jax.ShapeDtypeStruct((128, 328), jnp.bfloat16)
+    with pytest.raises(backends.BackendUnavailableError, match="multiple of 64"):
+        backends.resolve("pallas_sm90", h, odd, "dv")
+    monkeypatch.setattr(backends, "preferred", lambda: "pallas_sm90")
+    monkeypatch.delenv("DETLOGP_BACKEND", raising=False)
+    with pytest.warns(UserWarning, match="auto falls back"):
+        got, fallback = backends.resolve("auto", h, odd, "dv")
+    assert got.name == "reference" and fallback

@@ -17,13 +17,19 @@ Stages (each catches its own exceptions, so one failure does not hide the rest):
   D  first timings at M=1, 64, 4096 (CUPTI kernel time): trainer entry
      (forward + fold), forward kernel alone, vs XLA materialized logits +
      logsumexp + gather.
+  E  weight_layout="dv" (the Flax/Tunix [D, V] kernel K = W.T, materialized
+     once, read in place): E1 oracle.logp_lse on the dv kernel's own logits,
+     dv trainer == dv serving, dv == vd (m/S/z_t/owned/logp/lse and the logits)
+     at M=1/300/4096 and with bias + per-row T; E2 batch invariance with dv:
+     probe rows alone (dv, M=1) vs inside batches (every bucket at 4096, an M
+     sweep), and the dv probes alone == the vd probes alone.
 
 Run (repository root, H200):  python tests/gpu/run_ladder.py
 Env: OUT=<dir> writes $OUT/pallas_ladder.json (+ ptxas reports);
      LADDER_BUDGET_S (default 540) total wall budget, later stages are skipped
      past it; LADDER_STAGE_TIMEOUT_S (default 240) per-stage watchdog (a hung
      kernel ends the process after writing what was collected);
-     LADDER_STAGES=ABCD to select stages; LADDER_DUMP=0 disables the
+     LADDER_STAGES=ABCDE to select stages (default: all); LADDER_DUMP=0 disables the
      MOSAIC_GPU_DUMP_TO ptxas report collection.
 """
 
@@ -51,7 +57,7 @@ if os.environ.get("LADDER_DUMP", "1") != "0":
 T_START = time.time()
 BUDGET = float(os.environ.get("LADDER_BUDGET_S", "540"))
 STAGE_TIMEOUT = float(os.environ.get("LADDER_STAGE_TIMEOUT_S", "240"))
-STAGES = os.environ.get("LADDER_STAGES", "ABCD")
+STAGES = os.environ.get("LADDER_STAGES", "ABCDE")
 
 RESULTS: dict = {"stages": {}, "summary": [], "env": {}}
 _current = {"name": None, "t0": None}
@@ -189,7 +195,15 @@ def n_diff_rows(a, b):
 
 
 def entry_fn(
-    *, vocab_size, padded_vocab_size, bucket=None, return_logits=False, col_offset=0, shard_cols=None, fold=True
+    *,
+    vocab_size,
+    padded_vocab_size,
+    bucket=None,
+    return_logits=False,
+    col_offset=0,
+    shard_cols=None,
+    fold=True,
+    weight_layout="vd",
 ):
     """The backend called eagerly (as a training/serving step would call it outside
     an outer jit): pk.partials / pk.fold jit their kernels on the padded row count,
@@ -209,6 +223,7 @@ def entry_fn(
             shard_cols=shard_cols,
             return_logits=return_logits,
             bucket=bucket,
+            weight_layout=weight_layout,
             **extra,
         )
         if not fold:
@@ -254,6 +269,25 @@ def qwen_weight():
 def qwen_w():
     """The rollout's unpadded lm_head [151936, 4096] (declared with padded_vocab_size=152064)."""
     return qwen_weight()[:V]
+
+
+@functools.lru_cache(maxsize=None)
+def qwen_k():
+    """The Flax/Tunix kernel K = W.T [4096, 151936] as its own buffer, made once (unpadded; a
+    [D, V] kernel needs V % 64 == 0, so the DRY run's V=328 uses the padded weight's transpose)."""
+    w = qwen_w() if V % 64 == 0 else qwen_weight()
+    return jax.block_until_ready(jax.jit(jnp.transpose)(w))
+
+
+@jax.jit
+def _rows_with_diff(a, b):
+    ua, ub = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
+    return jnp.sum(jnp.any(ua != ub, axis=1))
+
+
+def logits_rows_differing(a, b, cols):
+    """Rows of two [N, >= cols] f32 logits whose first `cols` columns differ in bytes (on device)."""
+    return int(_rows_with_diff(a[:, :cols], b[:, :cols]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -554,10 +588,79 @@ def stage_d1(rec):
     return True
 
 
+# ----------------------------------------------------------------------------------------------
+# E: weight_layout="dv" (a [D, V] kernel read in place)
+@stage("E1 dv kernel: oracle, trainer==serving, ==vd")
+def stage_e1(rec):
+    k, wu = qwen_k(), qwen_w()
+    ok = True
+    cases = [(m_rows, False) for m_rows in ((1, 70) if DRY else (1, 300, BIG_M))] + [(65, True)]
+    for m_rows, rich in cases:
+        h = pool()[:m_rows]
+        t = targets_for(m_rows, V, m_rows + 11)
+        rng = np.random.default_rng(m_rows)
+        temp = rng.uniform(0.5, 1.5, m_rows).astype(np.float32) if rich else np.float32(0.7)
+        it = jnp.asarray(oracle.inv_temperature(temp, m_rows))
+        b = rnd((k.shape[1],), jnp.float32) if rich else None
+        tag = f"M{m_rows}" + ("_bias_rowT" if rich else "")
+        kw = dict(vocab_size=V, padded_vocab_size=VP)
+        srv = run(h, k, b, t, it, return_logits=True, weight_layout="dv", **kw)
+        trn = run(h, k, b, t, it, weight_layout="dv", **kw)
+        vd = run(h, wu, None if b is None else b[:V], t, it, return_logits=True, **kw)
+        rows = np.unique(np.linspace(0, m_rows - 1, min(m_rows, 256)).astype(int))
+        ok &= check_vs_oracle(rec, f"{tag}_dv_oracle", srv, t, it, temp, V, VP, rows)
+        ok &= entries_identical(rec, f"{tag}_dv_trainer_vs_serving", srv, trn)
+        ok &= entries_identical(rec, f"{tag}_dv_vs_vd", srv, vd)
+        lg_bad = logits_rows_differing(srv["logits"], vd["logits"], V)
+        rec[f"{tag}_dv_vs_vd_logits_rows_differing"] = lg_bad
+        ok &= lg_bad == 0
+        del srv, trn, vd
+    rec["brief"] = "; ".join(
+        f"{key}: {val}" for key, val in rec.items() if key.endswith(("_dv_vs_vd", "_logits_rows_differing"))
+    )[:300]
+    return ok
+
+
+@stage("E2 dv batch invariance (probes, all buckets)")
+def stage_e2(rec):
+    tall, refs = probe_refs()  # vd rows alone
+    k = qwen_k()
+    refs_dv = []
+    for p in PROBES:
+        it = jnp.asarray(oracle.inv_temperature(TEMP_B, 1))
+        out = run(
+            pool()[p : p + 1], k, None, tall[p : p + 1], it, vocab_size=V, padded_vocab_size=VP, weight_layout="dv"
+        )
+        refs_dv.append({f: np.asarray(out[f]) for f in ("m", "s", "logp", "lse")})
+    rec["alone_dv_vs_vd"] = {f: sum(n_diff_rows(a[f], c[f]) for a, c in zip(refs_dv, refs)) for f in refs[0]}
+    ok = not any(rec["alone_dv_vs_vd"].values())
+    h, t, placed = build_batch(BIG_M, B1_POSITIONS, tall)
+    it = jnp.asarray(oracle.inv_temperature(TEMP_B, BIG_M))
+    for bucket in BUCKETS:
+        out = run(h, k, None, t, it, vocab_size=V, padded_vocab_size=VP, bucket=bucket, weight_layout="dv")
+        rec[f"M{BIG_M}_{bucket}_forced"] = bad = compare_probes(out, placed, refs_dv)
+        ok &= not any(bad.values())
+    for m_rows in [1, 3, 65, 130] if DRY else [1, 7, 64, 65, 129, 257, 1024]:
+        if time.time() - T_START > BUDGET - 60:
+            rec[f"M{m_rows}"] = "skipped (budget)"
+            continue
+        n_p = min(len(PROBES), m_rows)
+        positions = sorted({(j * 997 + m_rows // 2) % m_rows for j in range(n_p)})
+        h, t, placed = build_batch(m_rows, positions, tall)
+        it = jnp.asarray(oracle.inv_temperature(TEMP_B, m_rows))
+        out = run(h, k, None, t, it, vocab_size=V, padded_vocab_size=VP, weight_layout="dv")
+        rec[f"M{m_rows}_{tuning.select_bucket(m_rows).name}"] = bad = compare_probes(out, placed, refs_dv)
+        ok &= not any(bad.values())
+    fails = [key for key, val in rec.items() if isinstance(val, dict) and any(val.values())]
+    rec["brief"] = f"{sum(isinstance(v_, dict) for v_ in rec.values())} checks, failing: {fails}"
+    return ok
+
+
 def main():
     todo = [("A", stage_a1), ("A", stage_a2), ("B", stage_b1), ("B", stage_b2), ("C", stage_c1), ("D", stage_d1)]
+    todo += [("E", stage_e1), ("E", stage_e2)]
     # Timing early enough that a budget overrun in B does not lose it.
-    order = [todo[0], todo[1], todo[5], todo[4], todo[2], todo[3]]
+    order = [todo[0], todo[1], todo[5], todo[4], todo[2], todo[3], todo[6], todo[7]]
     for letter, fn in order:
         if letter in STAGES:
             fn()

@@ -8,6 +8,8 @@ Qwen3-8B-scale ladder and timings):
 * an unpadded weight + padded_vocab_size == the zero-padded weight.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,83 @@ def test_inv_temperature_on_device_is_correctly_rounded():
     for fn in (lambda x: numerics.inv_temperature(x, t.size), jax.jit(lambda x: inputs.inv_temperature(x, t.size))):
         got = np.asarray(fn(jnp.asarray(t))).view(np.uint32)
         assert int((got != want).sum()) == 0
+
+
+# --- weight_layout="dv": the Flax/Tunix [D, V] kernel read in place ------------------------------
+
+QWEN_D, QWEN_V_ROWS, QWEN_VOCAB = 4096, 152064, 151936
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_head():
+    """Qwen3-8B lm_head W [152064, 4096] bf16 (zero rows past the vocab), its kernel K = W.T
+    materialized as its own [4096, 152064] buffer (before any timed or compared call), and a bias."""
+    key = jax.random.key(14)
+    kw, kb = jax.random.split(key)
+    w = (jax.random.normal(kw, (QWEN_V_ROWS, QWEN_D), jnp.float32) * (2.5 / np.sqrt(QWEN_D))).astype(jnp.bfloat16)
+    w = w.at[QWEN_VOCAB:].set(0)
+    k = jax.block_until_ready(jax.jit(jnp.transpose)(w))
+    b = jax.random.normal(kb, (QWEN_V_ROWS,), jnp.float32)
+    return jax.block_until_ready(w), k, b
+
+
+@jax.jit
+def _rows_with_diff(a, b):
+    ua, ub = (jax.lax.bitcast_convert_type(x, jnp.uint32) for x in (a, b))
+    return jnp.sum(jnp.any(ua != ub, axis=1))
+
+
+def _rows_differing_on_device(a, b):
+    """Rows of two f32 [N, V] arrays whose bytes differ, counted on the GPU (no 2.5 GB host copies)."""
+    assert a.shape == b.shape and a.dtype == b.dtype == jnp.float32, (a.shape, b.shape, a.dtype, b.dtype)
+    return int(_rows_with_diff(a, b))
+
+
+@pytest.mark.parametrize("m", [1, 65, 4096])
+def test_dv_layout_gives_the_vd_bytes_at_the_qwen_shape(m):
+    """linear_logp(h, K, t, weight_layout="dv", backend="pallas_sm90") with K = W.T materialized
+    gives the logp / lse / logits bytes of linear_logp(h, W, t) for every bucket forced, without
+    and with bias, with per-row temperatures; and the dv call's logp / lse are the oracle's of
+    its own logits (the non-transposed wgmma B read must not change a bit)."""
+    from detlogp_jax import linear_logp
+
+    w, k, b = _qwen_head()
+    rng = np.random.default_rng(m)
+    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
+    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
+    if m > 3:
+        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, 0
+    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    tj, tempj = jnp.asarray(t), jnp.asarray(temp)
+    for bucket in sorted(tuning.BUCKETS):
+        for bias in (None, b):
+            kw = dict(
+                bias=bias,
+                temperature=tempj,
+                vocab_size=QWEN_VOCAB,
+                return_logits=True,
+                backend="pallas_sm90",
+                tuning={"bucket": bucket},
+            )
+            vd = linear_logp(h, w, tj, **kw)
+            dv = linear_logp(h, k, tj, weight_layout="dv", **kw)
+            assert dv.provenance.weight_layout == "dv" and not dv.provenance.fallback
+            what = f"M={m} {bucket} bias={bias is not None}"
+            for f in ("logp", "lse"):
+                assert_bitwise_equal(np.asarray(getattr(dv, f)), np.asarray(getattr(vd, f)), f"{f} dv vs vd {what}")
+            bad = _rows_differing_on_device(dv.logits, vd.logits)
+            assert bad == 0, f"logits dv vs vd {what}: {bad} rows differ in bytes"
+            if bucket == "small":  # the oracle on (up to 64 of) the dv call's own logits
+                rows = np.unique(np.linspace(0, m - 1, min(m, 64)).astype(int))
+                lg = np.asarray(dv.logits[jnp.asarray(rows)])  # (gathered on the device)
+                rl, rs = oracle.logp_lse(
+                    lg, t[rows], temperature=temp[rows], vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS
+                )
+                assert_bitwise_equal(np.asarray(dv.logp)[rows], rl, f"logp dv vs oracle {what}")
+                assert_bitwise_equal(np.asarray(dv.lse)[rows], rs, f"lse dv vs oracle {what}")
+            del vd, dv
+    # The trainer entry (no logits) reads the kernel in place with the same logp / lse bytes.
+    trn = linear_logp(h, k, tj, temperature=tempj, vocab_size=QWEN_VOCAB, backend="pallas_sm90", weight_layout="dv")
+    srv = linear_logp(h, w, tj, temperature=tempj, vocab_size=QWEN_VOCAB, backend="pallas_sm90")
+    for f in ("logp", "lse"):
+        assert_bitwise_equal(np.asarray(getattr(trn, f)), np.asarray(getattr(srv, f)), f"{f} dv trainer M={m}")
