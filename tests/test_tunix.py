@@ -483,6 +483,7 @@ def test_tensor_parallel_head_goes_through_linear_logp_tp(tmp_path):
         got = res[case]
         assert got["layout"] == layout and got["weight_sharding"] == spec
         assert got["routed"] == [["tp", layout]], got  # linear_logp_tp, weight_layout passed through
+        assert got["routed_set_mesh"] == [["tp", layout]] and got["set_mesh_bits_equal"], got
         assert got["op_bits_equal_unsharded"], got
         assert got["max_diff_vs_tunix"] < TOL, got
 

@@ -65,7 +65,13 @@ def run() -> dict:
             t = jnp.asarray(rng.integers(0, 256, (3, 4)).astype(np.int32))
             op_tp = np.asarray(jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7))(h, t))
             op_plain = np.asarray(jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7, tp_axis=None))(h, t))
+        calls.clear()
+        with jax.set_mesh(mesh):  # the other way to give an ambient mesh
+            op_set_mesh = np.asarray(jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7))(h, t))
+        routed_set_mesh = list(calls)
         out["tied" if tied else "untied"] = {
+            "routed_set_mesh": routed_set_mesh,
+            "set_mesh_bits_equal": bool((op_set_mesh.view(np.uint32) == op_plain.view(np.uint32)).all()),
             "layout": layout,
             "weight_sharding": str(w.sharding.spec),
             "routed": routed,

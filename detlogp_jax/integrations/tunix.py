@@ -282,6 +282,8 @@ def _options(opts: OpOptions | None, kw: dict) -> OpOptions:
 
 
 def _ambient_mesh():
+    """The mesh a Tunix program runs under: the legacy ``with mesh:`` context (what Tunix's
+    RLCluster enters), else `jax.sharding.set_mesh`'s (the abstract mesh inside a jit trace)."""
     try:
         from jax.interpreters import pxla
 
@@ -290,12 +292,13 @@ def _ambient_mesh():
             return mesh
     except Exception:
         pass
-    try:
-        mesh = jax.sharding.get_mesh()
+    for get in (jax.sharding.get_mesh, jax.sharding.get_abstract_mesh):
+        try:
+            mesh = get()
+        except Exception:  # get_mesh refuses inside jit
+            continue
         if mesh is not None and not mesh.empty:
             return mesh
-    except Exception:
-        pass
     return None
 
 
