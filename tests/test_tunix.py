@@ -123,7 +123,11 @@ def _float_shapes(jaxpr, out):
 
     def visit_var(v):
         aval = getattr(v, "aval", None)
-        if aval is not None and hasattr(aval, "shape") and jnp.issubdtype(getattr(aval, "dtype", np.int32), jnp.floating):
+        if (
+            aval is not None
+            and hasattr(aval, "shape")
+            and jnp.issubdtype(getattr(aval, "dtype", np.int32), jnp.floating)
+        ):
             out.append(tuple(aval.shape))
 
     def sub(x):
@@ -239,7 +243,9 @@ def _sampler(model):
     return sampler_lib.Sampler(
         model,
         WordTokenizer(),
-        sampler_lib.CacheConfig(cache_size=24, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
+        sampler_lib.CacheConfig(
+            cache_size=24, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        ),
     )
 
 
@@ -258,13 +264,23 @@ def test_rollout_then_trainer_scoring(kind, tied, monkeypatch, record_property):
 
     def spy(m, hidden, tokens, **kw):
         lp = real(m, hidden, tokens, **kw)
-        jax.debug.callback(lambda h, t, x: seen.append((np.asarray(h), np.asarray(t), np.asarray(x))), hidden, tokens, lp, ordered=True)
+        jax.debug.callback(
+            lambda h, t, x: seen.append((np.asarray(h), np.asarray(t), np.asarray(x))), hidden, tokens, lp, ordered=True
+        )
         return lp
 
     monkeypatch.setattr(dt, "token_logps", spy)
     temperature, steps = 0.7, 5
     with dt.patch():
-        out = s(PROMPTS, max_generation_steps=steps, max_prompt_length=4, temperature=temperature, top_p=1.0, seed=7, return_logprobs=True)
+        out = s(
+            PROMPTS,
+            max_generation_steps=steps,
+            max_prompt_length=4,
+            temperature=temperature,
+            top_p=1.0,
+            seed=7,
+            return_logprobs=True,
+        )
     record = dt.rollout_record(s)
     assert record is not None and record.layout == ("vd" if tied else "dv") and record.temperature == temperature
     # one op call per sampled token: the prefill's, then one per decode step (the loop may run one
@@ -302,7 +318,13 @@ def test_rollout_then_trainer_scoring(kind, tied, monkeypatch, record_property):
         **_positions_and_mask(prompt, comp),
     )
     h_train = np.asarray(h_train)[:, prompt.shape[1] - 1 : -1]
-    per_step = np.stack([np.asarray(real(model, jnp.asarray(h_train[:, j]), jnp.asarray(comp[:, j]), temperature=temperature)) for j in range(steps)], 1)
+    per_step = np.stack(
+        [
+            np.asarray(real(model, jnp.asarray(h_train[:, j]), jnp.asarray(comp[:, j]), temperature=temperature))
+            for j in range(steps)
+        ],
+        1,
+    )
     assert_bitwise_equal(per_step, train, "per-step op on the trainer's hidden states")
 
     # end to end: the model body (cached decode vs full forward) is all that differs

@@ -21,7 +21,13 @@ def make_model(kind: str, tied: bool, *, vocab: int = V, layers: int = 2, seed: 
 
         dt = jnp.float32 if dtype is None else dtype
         cfg = m.ModelConfig(
-            vocab_size=vocab, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=tied, dtype=dt, param_dtype=dt, **dims
+            vocab_size=vocab,
+            rope_theta=10_000,
+            norm_eps=1e-6,
+            use_tied_embedding=tied,
+            dtype=dt,
+            param_dtype=dt,
+            **dims,
         )
         return m.Qwen3(cfg, rngs=rngs)
     if kind == "qwen2":

@@ -58,13 +58,17 @@ def run() -> dict:
             tp_e2e = np.asarray(f(prompt, comp))
             routed = list(calls)
             gd, st = nnx.split(model)
-            ref = np.asarray(common.compute_per_token_logps(gd, st, jnp.asarray(prompt), jnp.asarray(comp), 0, 2, temperature=0.7))
+            ref = np.asarray(
+                common.compute_per_token_logps(gd, st, jnp.asarray(prompt), jnp.asarray(comp), 0, 2, temperature=0.7)
+            )
             # the op alone, on one set of hidden states: vocab-sharded vs unsharded bytes
             rng = np.random.default_rng(0)
             h = jnp.asarray(rng.standard_normal((3, 4, 32)).astype(np.float32))
             t = jnp.asarray(rng.integers(0, 256, (3, 4)).astype(np.int32))
             op_tp = np.asarray(jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7))(h, t))
-            op_plain = np.asarray(jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7, tp_axis=None))(h, t))
+            op_plain = np.asarray(
+                jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7, tp_axis=None))(h, t)
+            )
         calls.clear()
         with jax.set_mesh(mesh):  # the other way to give an ambient mesh
             op_set_mesh = np.asarray(jax.jit(lambda h, t: dt.token_logps(model, h, t, temperature=0.7))(h, t))

@@ -501,9 +501,7 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
     """
     opts = opts or OpOptions()
 
-    @functools.partial(
-        jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient", "return_logits", "temperature")
-    )
+    @functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient", "return_logits", "temperature"))
     def compute_per_token_logps(
         graphdef,
         state,
@@ -648,7 +646,9 @@ def _op_prefill_fn(self, params, sampler_state, images=None, echo=True, *, opts:
     if logits_buffer is not None:  # return_logits: the op's logits of every prompt position
         start_idx = n_in if decode_only_last_token else 1
         all_logits = head_logits(transformer, hidden, opts=opts)
-        logits_buffer = jax.lax.dynamic_update_slice(logits_buffer, all_logits.astype(logits_buffer.dtype), (0, start_idx, 0))
+        logits_buffer = jax.lax.dynamic_update_slice(
+            logits_buffer, all_logits.astype(logits_buffer.dtype), (0, start_idx, 0)
+        )
     logits = head_logits(transformer, last, opts=opts)[:, None, :]
     state = dataclasses.replace(sampler_state, cache=cache, logits_buffer=logits_buffer, logprobs_buffer=None)
     new = self._sample(logits=logits, cache=cache, eos=self.eos_ids, sampler_state=state)
@@ -964,7 +964,9 @@ def patch(
         new.__detlogp_original__ = original
         replace(common, "compute_per_token_logps", new)
         if entropy == "op":
-            replace(algo_core, "compute_entropy_from_logits", _entropy_from_logits(algo_core.compute_entropy_from_logits))
+            replace(
+                algo_core, "compute_entropy_from_logits", _entropy_from_logits(algo_core.compute_entropy_from_logits)
+            )
         if sampler:
             cls = sampler_lib.Sampler
             replace(cls, "_compiled_prefill_fn", _CompiledRoute("_compiled_prefill_fn", _build_prefill, opts))
