@@ -7,8 +7,9 @@
 #   bash scripts/test_tunix.sh               # build/reuse the venv, run the tests
 #   bash scripts/test_tunix.sh --check-lock  # only check that the two locks are a closed set
 #
-# Knobs (not DETLOGP_*: the op refuses unknown DETLOGP_ variables): TUNIX_TEST_VENV (default <repo>/.venv-tunix), TUNIX_TEST_PYTHON (the base interpreter,
-# default the first Python >= 3.12 among python3.12 and python3 on PATH).
+# Knobs (not DETLOGP_*: the op refuses unknown DETLOGP_ variables): TUNIX_TEST_VENV (default
+# <repo>/.venv-tunix), TUNIX_TEST_PYTHON (the base interpreter, default the first Python >= 3.12
+# among python3.12 on PATH, pyenv's 3.12, python3 on PATH).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -16,7 +17,10 @@ VENV="${TUNIX_TEST_VENV:-$ROOT/.venv-tunix}"
 LOCKS=(requirements/cpu.lock requirements/tunix.lock)
 
 PY=""
-for c in ${TUNIX_TEST_PYTHON:-python3.12 python3}; do
+if [ -n "${TUNIX_TEST_PYTHON:-}" ]; then CANDS=("$TUNIX_TEST_PYTHON"); else
+  CANDS=(python3.12 "${HOME:-/nonexistent}"/.pyenv/versions/3.12*/bin/python3.12 python3)  # as scripts/_env.sh
+fi
+for c in "${CANDS[@]}"; do
   if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null; then
     PY="$c"
     break
