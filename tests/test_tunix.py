@@ -515,3 +515,46 @@ def test_options_are_hashable_and_checked():
     assert hash(o) == hash(dataclasses.replace(o))
     with pytest.raises(TypeError, match="unknown op option"):
         dt.token_logps(make_model("qwen3", True), jnp.zeros((1, 32)), jnp.zeros((1,), jnp.int32), bogus=1)
+
+
+def test_grpo_loss_without_BLV_under_entropy_none():
+    """Tunix's GRPO loss always asks for the logits (its entropy metric): under the default patch the
+    op's [B, C, V] logits are the one such array left; with entropy="none" there is none, the loss
+    and its gradient are unchanged and only the entropy metric reads NaN."""
+    from tunix.rl import function_registry
+    from tunix.rl.grpo import grpo_learner as grpo_lib
+
+    model = make_model("qwen3", False, vocab=BIG_V, layers=1)
+    prompt, comp = batch(seed=9)
+    b, p = prompt.shape
+    c = comp.shape[1]
+    example = common.TrainExample(
+        prompt_ids=jnp.asarray(prompt),
+        prompt_mask=jnp.asarray(prompt != PAD),
+        completion_ids=jnp.asarray(comp),
+        completion_mask=jnp.asarray(comp != PAD, jnp.int32),
+        advantages=jnp.asarray([0.5, -0.25, 1.0], jnp.float32),
+        ref_per_token_logps=jnp.full(comp.shape, -5.0, jnp.float32),
+        old_per_token_logps=jnp.full(comp.shape, -5.0, jnp.float32),
+    )
+    cfg = grpo_lib.GRPOConfig(num_generations=3, beta=0.04)
+    cfg.temperature = 0.7
+    loss_fn = function_registry.get_policy_loss_fn("grpo")
+    gd, st = nnx.split(model)
+
+    found = {}
+    for mode in ("logits", "none"):
+        # a new function per mode: a traced (jit/make_jaxpr-cached) caller keeps the path it was traced with
+        def step(st):
+            return jax.value_and_grad(lambda st: loss_fn(nnx.merge(gd, st), example, cfg, PAD, EOS), has_aux=True)(st)
+
+        with dt.patch(entropy=mode):
+            jaxpr = jax.make_jaxpr(step)(st)
+            (loss, aux), grads = jax.jit(step)(st)
+        found[mode] = (_has_blv(_float_shapes(jaxpr.jaxpr, []), b, (p + c, c, p + c - 1), BIG_V), loss, aux, grads)
+    assert found["logits"][0] is not None  # the op's logits handed to Tunix's entropy metric
+    assert found["none"][0] is None, found["none"][0]
+    assert_bitwise_equal(found["none"][1], found["logits"][1], "loss")
+    assert np.isnan(float(found["none"][2]["entropy"])) and np.isfinite(float(found["logits"][2]["entropy"]))
+    for a, g in zip(jax.tree.leaves(found["none"][3]), jax.tree.leaves(found["logits"][3])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(g), rtol=1e-5, atol=1e-7)

@@ -493,11 +493,14 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
     """A drop-in for `tunix.rl.common.compute_per_token_logps` (same signature, same jit static
     arguments) that computes through `per_token_logps`.
 
-    entropy: what a caller asking `return_logits=True` gets (Tunix's GRPO/PPO losses ask, to
-    compute the entropy metric): "logits" returns the op's FP32 logits / T [B, C, V]
-    (materialized, as Tunix does); "op" returns a `TokenEntropy` carrying the op's per-token
-    entropy instead, which the patched `algo_core.compute_entropy_from_logits` reads (needs
-    `linear_logp(return_entropy=True)`).
+    entropy: what a caller asking `return_logits=True` gets (Tunix's GRPO/PPO losses always
+    ask, for the token entropy): "logits" returns the op's FP32 logits / T [B, C, V]
+    (materialized, as Tunix does: the one [B, C, V] array left in a patched training step);
+    "op" returns a `TokenEntropy` carrying the op's per-token entropy instead, which the patched
+    `algo_core.compute_entropy_from_logits` reads (needs `linear_logp(return_entropy=True)`);
+    "none" returns a `TokenEntropy` of NaN (no [B, C, V] anywhere; GRPO's "entropy" metric then
+    reads NaN, and a loss that uses the entropy, PPO with entropy_coef != 0, becomes NaN: loud,
+    never silently without its entropy term).
     """
     opts = opts or OpOptions()
 
@@ -517,6 +520,21 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
         temperature=1.0,
     ):
         model = nnx.merge(graphdef, state)
+        if return_logits and entropy == "none":
+            lp = per_token_logps(
+                nnx.merge(graphdef, state),
+                prompt_tokens,
+                completion_tokens,
+                pad_id=pad_id,
+                eos_id=eos_id,
+                temperature=temperature,
+                images=images,
+                segment_ids=segment_ids,
+                segment_positions=segment_positions,
+                stop_gradient=stop_gradient,
+                opts=opts,
+            )
+            return lp, TokenEntropy(jnp.full(lp.shape, jnp.nan, jnp.float32))
         want_entropy = return_logits and entropy == "op"
         out = per_token_logps(
             model,
@@ -545,7 +563,7 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
 @dataclasses.dataclass
 class TokenEntropy:
     """Stands where Tunix expects the logits [B, C, V] when only their entropy is used
-    (`patch(entropy="op")`): the op's per-token entropy [B, C]."""
+    (`patch(entropy="op")`: the op's per-token entropy [B, C]; `patch(entropy="none")`: NaN)."""
 
     entropy: jax.Array
 
@@ -913,20 +931,25 @@ def patch(
       logps in the inference worker, the vanilla rollout's `get_per_token_logps`) by
       `compute_per_token_logps_fn(...)`: same signature and results, computed by
       `per_token_logps`;
-    * with entropy="op", `tunix.rl.algo_core.compute_entropy_from_logits` by a version that
-      also reads `TokenEntropy`;
+    * with entropy="op" or "none", `tunix.rl.algo_core.compute_entropy_from_logits` by a
+      version that also reads `TokenEntropy` (see `compute_per_token_logps_fn` for the modes:
+      the default "logits" hands Tunix's losses the op's [B, C, V] logits, as Tunix does);
     * with `sampler` (default), the vanilla `tunix.generate.sampler.Sampler`'s compiled prefill
       and decode steps (for every Sampler, existing or new): the model body runs headless, the
       sampler draws from `head_logits` and records `token_logps` of the sampled token (at the
       sampling temperature for top_p, unscaled for greedy, as Tunix records them) and a
       `RolloutRecord` with the head's fingerprint.
 
+    Patch before the first call of whatever jits a Tunix step (a learner's train step, a
+    sampler): a function JAX has already traced keeps the path it was traced with (Tunix's before
+    patch(), the op's after, until it retraces), as with any Python-level switch under jit.
+
     Idempotent: patching again with the same options does nothing (its handle does not
     unpatch); with other options it raises (unpatch() first). Refuses (`TunixVersionError`) a
     Tunix whose version or replaced functions it does not know.
     """
-    if entropy not in ("logits", "op"):
-        raise ValueError(f"entropy must be 'logits' or 'op', got {entropy!r}")
+    if entropy not in ("logits", "op", "none"):
+        raise ValueError(f"entropy must be 'logits', 'op' or 'none', got {entropy!r}")
     opts = OpOptions(
         backend=backend,
         padded_vocab_size=padded_vocab_size,
@@ -963,7 +986,7 @@ def patch(
         new = compute_per_token_logps_fn(opts, entropy=entropy)
         new.__detlogp_original__ = original
         replace(common, "compute_per_token_logps", new)
-        if entropy == "op":
+        if entropy in ("op", "none"):
             replace(
                 algo_core, "compute_entropy_from_logits", _entropy_from_logits(algo_core.compute_entropy_from_logits)
             )
