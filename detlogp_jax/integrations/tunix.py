@@ -64,7 +64,9 @@ __all__ = [
     "RolloutRecord",
     "TunixVersionError",
     "UnsupportedModelError",
+    "TokenEntropy",
     "adapter_for",
+    "check_tunix",
     "check_weight_version",
     "compute_per_token_logps_fn",
     "head_fingerprint",
@@ -76,6 +78,7 @@ __all__ = [
     "per_token_logps",
     "rollout_record",
     "token_logps",
+    "tunix_version",
     "unpatch",
 ]
 
