@@ -260,7 +260,11 @@ def main() -> int:
 
     want = [c.strip() for c in args.cases.split(",")] if args.cases != "all" else ["all"]
     cases = [c for c in ALL_CASES if "all" in want or any(c == w or c.startswith(w + "-") for w in want)]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=ROOT)
+    env = dict(
+        os.environ,
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p),
+    )
     report = {"backend": BACKEND, "shape": {"B": B, "P": P, "C": C, **QWEN3_8B}, "cases": {}}
     try:
         import importlib.metadata as md
