@@ -118,7 +118,7 @@ def partials(
     where `owned`), and, with `return_logits`, logits [N, Vl] f32 (only the
     first `logits_cols` columns if given). With `return_entropy` a sixth array
     follows: the entropy statistic A [N, n_local] of the same splits (CONTRACT.md
-    section 9); without it the trace has no trace of the statistic.
+    section 9); without it the statistic is not traced at all.
     """
     shard_cols = padded_vocab_size - col_offset if shard_cols is None else shard_cols
     starts, ends = _local_plan(padded_vocab_size, col_offset, shard_cols)
