@@ -582,3 +582,20 @@ def test_backward_refuses_an_entropy_cotangent_without_the_entropy():
     z = jnp.zeros(3)
     with pytest.raises(ValueError, match="forward's entropy"):
         grad.backward(h, w, None, jnp.zeros(3, jnp.int32), z + 1, z, z, z, None, vocab_size=VOCAB, g_entropy=z)
+
+
+def test_contract_doc_states_the_entropy_program():
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "CONTRACT.md")).read()
+    assert f"`{C.ENTROPY_ID}`" in doc and C.ENTROPY_ID == "linear-logp-entropy-v1"
+    for line in (
+        "u[c]  = (e[c] == 0) ? +0 : fl(e[c] * d[c])",
+        "A     = fl( resc(A, S, m, m', alpha) + tree64(u) )",
+        "A = fl( A + resc(A_j, S_j, m_j, M, w_j) )",
+        "h       = fl( plog(S) - fl( A * rcp(S) ) )",
+        "entropy = (h < 0) ? +0 : h",
+        "= fl( w * fl( A + fl( fl(m - m') * S ) ) )",
+    ):
+        assert line in doc, line
+    assert C.contract_constants()["ENTROPY"]["id"] == C.ENTROPY_ID
