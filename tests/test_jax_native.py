@@ -199,6 +199,14 @@ def test_sharded_rows_give_single_device_bytes_and_gradients(mesh_results, case)
     assert r["grad_max_abs_diff"] <= 1e-5 * max(1.0, mesh_results["scale"]), r
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_sharded_rows_give_single_device_entropy_and_temperature_gradient(mesh_results, kind):
+    r = mesh_results[f"{kind}_entropy_temperature_grad"]
+    assert "error" not in r, r.get("error")
+    assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0 and r["entropy_rows_differ"] == 0, r
+    assert r["grad_max_abs_diff"] <= 1e-5 * max(1.0, mesh_results["entropy_scale"]), r
+
+
 def test_shardings_the_op_cannot_serve_are_refused(mesh_results):
     assert "linear_logp_tp" in mesh_results["sharded_weight_error"], mesh_results["sharded_weight_error"]
     assert "D axis" in mesh_results["sharded_d_error"], mesh_results["sharded_d_error"]
