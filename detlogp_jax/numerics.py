@@ -8,7 +8,9 @@ so each product passes an opaque integer xor with zero that no compiler can see
 through. Pallas kernels pass their own ops (inline PTX `mul.rn.ftz.f32`, ...).
 
 These functions mirror `detlogp_jax.oracle` operation by operation; the oracle
-is the spec, these are implementations.
+is the spec, these are implementations. The entropy statistic
+(`linear-logp-entropy-v1`) has its own functions (`chain_step_entropy`,
+`rescale_a`, `entropy_of`, `fold(..., a=...)`), used only when it is asked for.
 """
 
 from __future__ import annotations

@@ -8,8 +8,12 @@ Rows never interact, and the vocabulary is streamed tile by tile across all
 splits at once, so the trainer path holds O(rows_per_block * n_split * 64)
 floats, never [N, V].
 
+With `return_entropy=True` the chain also carries the entropy statistic A
+(`numerics.chain_step_entropy`) and the fold returns the entropy
+(`linear-logp-entropy-v1`); without it the program is the one it always was.
+
 Its logits need not equal a GPU kernel's (tensor cores do not accumulate as a
-sequence of IEEE adds); given its own logits, logp/lse equal the oracle's.
+sequence of IEEE adds); given its own logits, logp/lse (and the entropy) equal the oracle's.
 On XLA:CPU (FTZ/DAZ arithmetic) the logits equal `oracle.reference_logits`.
 """
 
