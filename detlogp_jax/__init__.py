@@ -7,7 +7,14 @@ streaming vocabulary log-sum-exp under a frozen numeric contract
 
 from detlogp_jax.api import LogpOutput, last_provenance, linear_logp, provenance
 from detlogp_jax.backends import BackendUnavailableError, StrictModeError, strict_mode
-from detlogp_jax.contract import CONTRACT_ID, CONTRACT_VERSION, ContractError, canonical_padded_vocab, split_bounds
+from detlogp_jax.contract import (
+    CONTRACT_ID,
+    CONTRACT_VERSION,
+    ENTROPY_ID,
+    ContractError,
+    canonical_padded_vocab,
+    split_bounds,
+)
 
 __version__ = "0.1.0"
 
@@ -43,6 +50,7 @@ __all__ = [
     "__version__",
     "CONTRACT_ID",
     "CONTRACT_VERSION",
+    "ENTROPY_ID",
     "ContractError",
     "LogpOutput",
     "StrictModeError",

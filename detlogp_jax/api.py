@@ -4,7 +4,10 @@ Contract kept (for contract-bearing backends): for every row, logp and lse are
 the oracle's function of that row's FP32 logits, the row's target and
 temperature, `vocab_size` and `padded_vocab_size` only. So the bytes of a row
 do not depend on the batch size, the row's position, its neighbours, whether
-logits are returned, or whether the weight is padded to `padded_vocab_size`.
+logits or the entropy are returned, or whether the weight is padded to
+`padded_vocab_size`. With `return_entropy=True` the row's entropy is likewise the
+oracle's function of its logits, temperature and vocab geometry
+(`linear-logp-entropy-v1`).
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ from detlogp_jax.inputs import last_provenance  # noqa: F401  (re-exported: api.
 
 class LogpOutput(NamedTuple):
     """logp [...] f32, lse [...] f32 (of logits / T), logits [..., vocab_size] f32 or None,
-    and the provenance of the computation that produced them.
+    the provenance of the computation that produced them, and entropy [...] f32 (of
+    softmax(logits / T) over the real vocabulary) or None.
 
     `provenance` is a static pytree node (no arrays): returned from a jitted function it
     comes back with every call, cached or not, as the record of that function's trace.
+    `entropy` comes last so that the positions of the older fields do not move.
     """
 
     logp: jax.Array
     lse: jax.Array
     logits: jax.Array | None = None
     provenance: C.Provenance | None = None
+    entropy: jax.Array | None = None
 
 
 jax.tree_util.register_static(C.Provenance)
@@ -49,19 +55,26 @@ class _Config:
     return_logits: bool
     tuning: tuple = ()
     weight_layout: str = "vd"
+    return_entropy: bool = False
 
     def layout_kwargs(self) -> dict:
         """The layout argument for a backend (omitted for the default layout)."""
         return {} if self.weight_layout == "vd" else {"weight_layout": self.weight_layout}
 
+    def entropy_kwargs(self) -> dict:
+        """The entropy flag for a backend (omitted unless requested: older backends lack it)."""
+        return {"return_entropy": True} if self.return_entropy else {}
+
 
 def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
+    """(logp, lse, logits | None, entropy | None) of the backend named by `cfg`."""
     be = backends.get(cfg.backend)
     kw = be.tuning_kwargs(cfg.tuning)
+    entropy = None
     if be.contract_bearing:
         # logits_cols: the backend writes the real vocabulary's columns only, so the
         # serving entry never copies an [N, V_rows] array to drop the padding columns.
-        m, s, z_t, owned, logits = be.partials(
+        parts = be.partials(
             hidden,
             weight,
             bias,
@@ -72,11 +85,16 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
             return_logits=cfg.return_logits,
             logits_cols=cfg.vocab_size if cfg.return_logits else None,
             **cfg.layout_kwargs(),
+            **cfg.entropy_kwargs(),
             **kw,
         )
-        logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
+        m, s, z_t, owned, logits = parts[:5]
+        if cfg.return_entropy:
+            logp, lse, entropy = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size, a=parts[5])
+        else:
+            logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
     else:
-        logp, lse, logits = be.forward(
+        out = be.forward(
             hidden,
             weight,
             bias,
@@ -85,10 +103,26 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
             vocab_size=cfg.vocab_size,
             return_logits=cfg.return_logits,
             **cfg.layout_kwargs(),
+            **cfg.entropy_kwargs(),
         )
+        logp, lse, logits = out[:3]
+        entropy = out[3] if cfg.return_entropy else None
         if logits is not None:
             logits = logits[:, : cfg.vocab_size]
-    return logp, lse, logits
+    return logp, lse, logits, entropy
+
+
+def unwrap_primals(*primals):
+    """(values, perturbed flags) of a custom_vjp fwd's primals under symbolic zeros."""
+    is_p = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+    values = jax.tree.map(lambda x: x.value if is_p(x) else x, primals, is_leaf=is_p)
+    flags = [any(getattr(x, "perturbed", False) for x in jax.tree.leaves(p, is_leaf=is_p)) for p in primals]
+    return values, flags
+
+
+def nonzero_cotangents(*cts):
+    """Cotangents with symbolic zeros as None."""
+    return tuple(None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c for c in cts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -97,34 +131,50 @@ def _core(hidden, weight, bias, targets, inv_t, cfg):
 
 
 def _core_fwd(hidden, weight, bias, targets, inv_t, cfg):
+    (hidden, weight, bias, targets, inv_t), perturbed = unwrap_primals(hidden, weight, bias, targets, inv_t)
     out = _serve(hidden, weight, bias, targets, inv_t, cfg)
-    return out, (hidden, weight, bias, targets, inv_t, out[1])
+    logp, lse, _, entropy = out
+    # The temperature gradient needs the forward's logp; its presence says it is wanted.
+    want_t = perturbed[4]
+    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None)
 
 
 def _core_bwd(cfg, res, cts):
-    hidden, weight, bias, targets, inv_t, lse = res
-    g_logp, g_lse, g_logits = cts
-    dh, dw, db = grad_lib.backward(
+    hidden, weight, bias, targets, inv_t, lse, entropy, logp = res
+    g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
+    want_t = logp is not None
+    out = grad_lib.backward(
         hidden,
         weight,
         bias,
         targets,
         inv_t,
         lse,
-        g_logp,
-        g_lse,
+        jnp.zeros_like(lse) if g_logp is None else g_logp,
+        jnp.zeros_like(lse) if g_lse is None else g_lse,
         g_logits,
         vocab_size=cfg.vocab_size,
         dz=backends.get(cfg.backend).dz,
         weight_layout=cfg.weight_layout,
+        entropy=entropy,
+        g_entropy=g_entropy,
+        row_sums=want_t,
     )
+    dh, dw, db = out[:3]
+    g_inv_t = None
+    if want_t:
+        plp, var = out[3]
+        g_inv_t = grad_lib.inv_t_cotangent(
+            inv_t, lse, logp, targets, cfg.vocab_size, g_logp, g_lse, entropy, g_entropy, plp, var
+        )
+        g_inv_t = vma.match_cotangent(g_inv_t, inv_t)
     # Under vma typing (inside shard_map) a replicated weight's gradient is the sum
     # over the axes its rows' contributions vary over.
     dh, dw, db = vma.match_cotangent(dh, hidden), vma.match_cotangent(dw, weight), vma.match_cotangent(db, bias)
-    return dh, dw, db, None, jnp.zeros_like(inv_t)
+    return dh, dw, db, None, g_inv_t
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
@@ -161,6 +211,7 @@ def linear_logp(
     checked: bool | None = None,
     tuning: dict | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ) -> LogpOutput:
     """Log-probability of `targets` under logits = hidden @ W.T (+ bias), / temperature.
 
@@ -176,10 +227,16 @@ def linear_logp(
     weight's row count); an unpadded weight declared with the padded size gives
     the padded weight's bytes without copying it. return_logits: also return
     FP32 unscaled logits [..., vocab_size], never changing logp/lse bits.
+    return_entropy: also return the FP32 entropy [...] of softmax(logits / T) over the
+    real vocabulary (padding lanes add nothing; ignored and bad-target rows keep theirs),
+    streamed with the lse (`linear-logp-entropy-v1`, docs/CONTRACT.md section 9); never
+    changing logp/lse bits, and with False the statistic is not traced at all. A backend
+    that does not produce it refuses the call (auto falls back to the reference backend).
     backend: "auto" | "reference" | "pallas_sm90" | "xla". `tuning`: bit-neutral
     knobs only (`contract.BIT_NEUTRAL_KNOBS`: row_block, bucket, num_ctas; each
     backend applies its own); contract constants raise ContractError.
-    Differentiable w.r.t. hidden, weight and bias (chunked custom_vjp).
+    Differentiable w.r.t. hidden, weight, bias and the temperature (chunked custom_vjp;
+    the entropy's cotangent joins the logp/lse ones in the same recompute pass).
     """
     C.check_no_overrides(tuning)
     # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
@@ -193,13 +250,20 @@ def linear_logp(
         inputs.check_targets(targets, vocab)
 
     h_spec = jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype)
-    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout)
+    return_entropy = bool(return_entropy)
+    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout, entropy=return_entropy)
     backends.guard_strict(be, fallback)
-    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout)
-    cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning), weight_layout)
+    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout, return_entropy)
+    cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning), weight_layout, return_entropy)
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
-        return LogpOutput(empty, empty, jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None, prov)
+        return LogpOutput(
+            empty,
+            empty,
+            jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None,
+            prov,
+            empty if return_entropy else None,
+        )
     if not hasattr(temperature, "shape"):
         temperature = jnp.asarray(temperature, jnp.float32)  # a runtime value: no retrace per T
     if isinstance(targets, np.ndarray):  # range-checked on the host, in its own width
@@ -208,11 +272,12 @@ def linear_logp(
     rows = row_sharding.explicit_rows(hidden, weight, bias)
     if rows is not None:
         out = row_sharding.run_per_shard(
-            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits
+            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits, entropy=return_entropy
         )
     else:
         out = run(hidden, weight, bias, targets, temperature)
-    return LogpOutput(*out, provenance=prov)
+    logp, lse, logits, entropy = out
+    return LogpOutput(logp, lse, logits, prov, entropy)
 
 
 def _run(hidden, weight, bias, targets, temperature, *, cfg: _Config):
@@ -224,8 +289,7 @@ def _run(hidden, weight, bias, targets, temperature, *, cfg: _Config):
         pad = _row_bucket(n) - n
     h2, t2, inv_t = _prepare(hidden, targets, temperature, pad, cfg.vocab_size)
     impl = _impl if backends.get(cfg.backend).contract_bearing else _impl_autodiff
-    logp, lse, logits = impl(h2, weight, bias, t2, inv_t, cfg)
-    return _finish(logp, lse, logits, lead)
+    return _finish(*impl(h2, weight, bias, t2, inv_t, cfg), lead)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
@@ -243,18 +307,26 @@ def _prepare(hidden, targets, temperature, pad: int, vocab_size: int):
     return h2, t2, inv_t
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
-def _finish(logp, lse, logits, lead):
+@functools.partial(jax.jit, static_argnums=(4,))
+def _finish(logp, lse, logits, entropy, lead):
     n = math.prod(lead)
     out_logits = None if logits is None else logits[:n].reshape(lead + logits.shape[1:])
-    return logp[:n].reshape(lead), lse[:n].reshape(lead), out_logits
+    out_entropy = None if entropy is None else entropy[:n].reshape(lead)
+    return logp[:n].reshape(lead), lse[:n].reshape(lead), out_logits, out_entropy
 
 
 def provenance(
-    hidden, weight, *, vocab_size=None, padded_vocab_size=None, backend="auto", weight_layout="vd"
+    hidden,
+    weight,
+    *,
+    vocab_size=None,
+    padded_vocab_size=None,
+    backend="auto",
+    weight_layout="vd",
+    return_entropy: bool = False,
 ) -> C.Provenance:
     """The provenance record a call with these arguments would get (no compute)."""
     h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
-    be, fallback = backends.resolve(backend, h2, weight, weight_layout)
+    be, fallback = backends.resolve(backend, h2, weight, weight_layout, entropy=bool(return_entropy))
     vocab, padded = inputs.vocab_sizes(weight.shape[inputs.vocab_axis(weight_layout)], vocab_size, padded_vocab_size)
-    return inputs.make_provenance(be, fallback, vocab, padded, backend)
+    return inputs.make_provenance(be, fallback, vocab, padded, backend, weight_layout, bool(return_entropy))

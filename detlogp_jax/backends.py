@@ -47,12 +47,21 @@ class DzKernel:
     chunk and 0 elsewhere (p = exp(z * inv_t - lse), z recomputed from hidden_p and
     w_c); hidden_p and the row vectors are padded to a multiple of `row_multiple`
     rows. `supports(hidden, weight, chunk)` says whether it takes these operands.
+
+    entropy: the kernel declares the entropy term. Then grad.backward also uses it
+    when the entropy has a cotangent, calling fn(..., lo, hi, c3=c3, h=h) with two more
+    row vectors, and fn must return dz = c1 * p + c2 * onehot + c3 * p * (lp + h), where
+    lp = z * inv_t - lse (so p = exp(lp)) and h is the row's forward entropy. A kernel
+    without it (the default) is never given an entropy cotangent: grad.backward then
+    forms dz with XLA. (The temperature gradient always uses the XLA-formed path: it
+    needs per-row sums over the vocabulary that dz kernels do not return.)
     """
 
     fn: Callable
     supports: Callable[[Any, Any, int], bool]
     row_multiple: int
     layouts: frozenset = frozenset({"vd"})  # weight layouts of w_c it takes ("vd": [chunk, D])
+    entropy: bool = False  # takes the entropy term (c3, h); see above
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,14 @@ class Backend:
     (hidden, weight, bias, targets, inv_t, vocab_size, return_logits) ->
     (logp, lse, logits). `dz`: an optional fused backward kernel (else XLA
     forms dz). `unavailable_reason()`: why `available()` is False here.
+
+    `entropy`: the backend produces the per-row entropy (`return_entropy=True`).
+    A contract-bearing one then accepts `partials(..., return_entropy=True)`, which
+    returns a sixth array (the statistic A [N, n_local], `linear-logp-entropy-v1`),
+    and `fold(..., a=A)`, which returns (logp, lse, entropy); a non-contract one
+    accepts `forward(..., return_entropy=True)` -> (logp, lse, logits, entropy).
+    A backend without it (the default, e.g. an older plugin) refuses a call with
+    `return_entropy=True` (`resolve`).
     """
 
     name: str
@@ -81,6 +98,7 @@ class Backend:
     description: str = ""
     knobs: frozenset = frozenset()  # the bit-neutral tuning knobs it applies
     unavailable_reason: Callable[[], str] = lambda: "not available on this machine"
+    entropy: bool = False  # produces the entropy statistic (return_entropy=True); see above
 
     def tuning_kwargs(self, tuning) -> dict:
         """The subset of bit-neutral `tuning` items this backend applies."""
@@ -175,8 +193,16 @@ def preferred() -> str:
     return "reference"
 
 
-def resolve(requested: str, hidden, weight, weight_layout: str = "vd") -> tuple[Backend, bool]:
-    """Picks the backend that serves a call. Returns (backend, fallback)."""
+def resolve(
+    requested: str, hidden, weight, weight_layout: str = "vd", *, entropy: bool = False
+) -> tuple[Backend, bool]:
+    """Picks the backend that serves a call. Returns (backend, fallback).
+
+    A backend that cannot serve the call (unavailable here, refusing the operands or
+    the layout, or, with `entropy`, not producing the entropy) raises
+    BackendUnavailableError when it was requested explicitly (argument or
+    DETLOGP_BACKEND), StrictModeError in strict mode, and otherwise (auto) falls back
+    to the reference backend with a warning."""
     strict = is_strict()
     if requested == "auto":
         requested = os.environ.get("DETLOGP_BACKEND", "auto") or "auto"
@@ -197,6 +223,8 @@ def resolve(requested: str, hidden, weight, weight_layout: str = "vd") -> tuple[
             ok, why = backend.supports(hidden, weight)
         else:  # a backend declaring another layout takes it as supports(..., weight_layout=)
             ok, why = backend.supports(hidden, weight, weight_layout=weight_layout)
+        if ok and entropy and not backend.entropy:
+            ok, why = False, f"it does not produce the entropy ({C.ENTROPY_ID}) that return_entropy=True asks for"
         if not ok:
             reason = f"backend {target!r} cannot serve this call: {why}"
     if reason is None:
@@ -225,6 +253,7 @@ def _reference() -> Backend:
         layouts=frozenset({"vd", "dv"}),
         description="plain JAX, any platform; sequential K walk; bit-exact vs the oracle on its logits",
         knobs=frozenset({"row_block"}),
+        entropy=True,
     )
 
 
@@ -239,6 +268,7 @@ def _xla() -> Backend:
         forward=xla_backend.forward,
         layouts=frozenset({"vd", "dv"}),
         description="materialized XLA logits + log_softmax: today's baseline, not batch-invariant",
+        entropy=True,  # its own materialized entropy, not the contract's
     )
 
 

@@ -24,6 +24,14 @@ CONTRACT_NAME = "linear-logp-contract"
 CONTRACT_VERSION = 1
 CONTRACT_ID = f"{CONTRACT_NAME}-v{CONTRACT_VERSION}"
 
+# The per-row entropy (`return_entropy=True`) is a second statistic streamed through
+# the same tiles, chain and fold as S. It has its own version: it extends
+# CONTRACT_ID without changing a byte of logp/lse, and a change to its program
+# (docs/CONTRACT.md section 9) moves ENTROPY_VERSION only.
+ENTROPY_NAME = "linear-logp-entropy"
+ENTROPY_VERSION = 1
+ENTROPY_ID = f"{ENTROPY_NAME}-v{ENTROPY_VERSION}"
+
 # --- Vocabulary tiling and splits -------------------------------------------------
 TILE_V = 64  # vocab columns per tile: the unit of the in-tile tree and the chain.
 TP_MAX = 8  # largest tensor-parallel degree whose shard edges must be split edges.
@@ -286,6 +294,13 @@ def contract_constants() -> dict[str, Any]:
         "TEMPERATURE": "inv_t = fl(1/T); y = fl(z * inv_t) on every lane and on z_t; logits returned unscaled",
         "PADDING": "lanes with col >= vocab_size: y = -inf for the max, e = +0 for the sum",
         "CLAMP": "logp = d if not d > 0 else +0.0, d = fl(y_t - lse); NaN propagates",
+        "ENTROPY": {
+            "id": ENTROPY_ID,
+            "tile": "d = fl(y - m'); e = pexp(d); u = (e == 0) ? +0 : fl(e * d); A = fl(resc(A) + tree64(u))",
+            "rescale": "resc(A) = A if m == m' else (+0 if w == 0 else fl(w * fl(A + fl(fl(m - m') * S))))",
+            "fold": "ascending j: A = fl(A + resc(A_j)) with m' = M, w = w_j",
+            "output": "h = fl(plog(S) - fl(A * rcp(S))), rcp = correctly rounded 1/S; H = +0 if h < 0 else h",
+        },
     }
 
 
@@ -307,6 +322,7 @@ class Provenance:
     requested_backend: str
     fallback: bool
     weight_layout: str = "vd"
+    entropy_id: str | None = None  # ENTROPY_ID when the call returned the entropy (None: not asked)
     constants: Mapping[str, Any] = dataclasses.field(default_factory=contract_constants)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,24 +1,42 @@
 """Chunked backward of linear_logp: gradients without an [N, V] buffer.
 
 Given the forward's lse, each vocab chunk recomputes z = h @ W_c.T (+ b_c),
-p = exp(z * inv_t - lse), and
-    dz = inv_t * (g_lse * p + g_logp * (onehot - p)) + g_logits,
-then dh += dz @ W_c, dW_c = dz.T @ h, db_c = sum_rows dz. Chunks are visited in
+lp = z * inv_t - lse, p = exp(lp), and
+    dz = inv_t * (g_lse * p + g_logp * (onehot - p) - g_H * p * (lp + H)) + g_logits,
+then dh += dz @ W_c, dW_c = dz.T @ h, db_c = sum_rows dz. The entropy term: with
+y = z * inv_t, H = lse - E_p[y] and dH/dy_j = -p_j (y_j - E_p[y]) = -p_j (lp_j + H),
+so the forward's entropy H (a residual, one value per row) is all it needs; it is
+formed only when the entropy has a cotangent. Chunks are visited in
 ascending order with a fixed shape, so two runs give identical bytes; the
 backward is deterministic but not part of the frozen contract. With a
 backend's `dz` kernel (`backends.DzKernel`; the pallas_sm90 backend has one)
 the recompute GEMM and the dz formula run in one Pallas kernel that writes dz
 as bf16, so the chunk's FP32 logits never reach device memory; otherwise XLA
-forms them. For bf16/f16 weights the dW GEMM writes the weight dtype directly
+forms them (always when the entropy has a cotangent and the kernel does not
+declare the entropy term, and for the temperature gradient). For bf16/f16
+weights the dW GEMM writes the weight dtype directly
 (FP32 accumulation inside the GEMM). Rows with
-target == ignore_index (or a bad target) get no logp gradient; lse keeps its
-own. The clamp min(d, 0) is treated as the identity (d > 0 only by rounding).
-Temperature gets no gradient. For bf16/f16 models the gradient GEMMs take dz
-rounded to the model dtype (f32 accumulation); f32 models stay in f32.
+target == ignore_index (or a bad target) get no logp gradient; lse and the
+entropy keep their own. The clamp min(d, 0) is treated as the identity (d > 0
+only by rounding), and so is the entropy's clamp at 0. For bf16/f16 models the
+gradient GEMMs take dz rounded to the model dtype (f32 accumulation); f32 models
+stay in f32.
+
+Temperature (s = inv_t = 1/T per row; `row_sums=True`): dL/ds = sum_j (dL/dy_j) z_j
+per row, which in terms of row statistics is
+    dL/ds = (g_lse * E_p[y] + g_logp * (y_t - E_p[y]) - g_H * Var_p(y)) / s
+with E_p[y] = lse - H, y_t - E_p[y] = logp + H and Var_p(y) = sum_j p_j (lp_j + H)^2
+(accumulated in the same chunk pass when g_H is present). Without the entropy
+output, H = -sum_j p_j lp_j is accumulated in the pass instead. `inv_t_cotangent`
+combines them; dT = -s^2 ds is attached where fl(1/T) is formed
+(`inputs.inv_temperature`). So dlse/dT = -E_p[y]/T, dlogp/dT = (E_p[y] - y_t)/T,
+dH/dT = Var_p(y)/T.
 
 Documented accuracy against float64 autodiff of the materialized math (tests in
-tests/test_api_guards.py): relative Frobenius error per tensor (hidden, weight,
-bias) < 1e-5 with f32 inputs (also at the Qwen3 vocab), < 1e-2 with bf16 inputs.
+tests/test_api_guards.py and tests/test_entropy.py): relative Frobenius error per
+tensor (hidden, weight, bias) < 1e-5 with f32 inputs (also at the Qwen3 vocab),
+< 1e-2 with bf16 inputs; with the entropy in the loss, and for the temperature,
+< 1e-4 with f32 inputs.
 """
 
 from __future__ import annotations
@@ -52,13 +70,22 @@ def backward(
     chunk: int = DEFAULT_CHUNK,
     dz=None,
     weight_layout: str = "vd",
+    entropy=None,
+    g_entropy=None,
+    row_sums: bool = False,
 ):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
     dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
-    (used only without a logits cotangent and when it supports the operands and
-    the chunk length). weight_layout: "vd" ([V, D]) or "dv" ([D, V], read in place;
+    (used only without a logits cotangent, without `row_sums`, when it supports the
+    operands and the chunk length, and, with an entropy cotangent, when it declares
+    the entropy term). weight_layout: "vd" ([V, D]) or "dv" ([D, V], read in place;
     dW comes back in the same layout).
+    entropy: the forward's entropy [N] (needed with `g_entropy`); g_entropy: its
+    cotangent [N], or None for none (then no entropy term is traced).
+    row_sums: also return the per-row sums the temperature gradient needs, as a
+    fourth element (plp, var): plp = sum_j p_j lp_j (None when `entropy` is given),
+    var = sum_j p_j (lp_j + H)^2 (None without `g_entropy`); see `inv_t_cotangent`.
     """
     v_axis = 0 if weight_layout == "vd" else 1
     v_rows = weight.shape[v_axis]
@@ -67,8 +94,21 @@ def backward(
     g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)  # dead rows get no logp gradient
     g_lse = g_lse.astype(jnp.float32)
     inv_t = inv_t.astype(jnp.float32)
-    if dz is not None and g_logits is None and weight_layout in dz.layouts and dz.supports(hidden, weight, chunk):
-        return _backward_fused_dz(
+    if g_entropy is not None:
+        if entropy is None:
+            raise ValueError("an entropy cotangent needs the forward's entropy")
+        g_entropy = g_entropy.astype(jnp.float32)
+        entropy = entropy.astype(jnp.float32)
+    fused_ok = (
+        dz is not None
+        and g_logits is None
+        and not row_sums
+        and (g_entropy is None or dz.entropy)
+        and weight_layout in dz.layouts
+        and dz.supports(hidden, weight, chunk)
+    )
+    if fused_ok:
+        out = _backward_fused_dz(
             hidden,
             weight,
             bias,
@@ -81,7 +121,10 @@ def backward(
             chunk=chunk,
             n_chunks=n_chunks,
             dz=dz,
+            entropy=entropy,
+            g_entropy=g_entropy,
         )
+        return out
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
     # f32 models keep f32 GEMMs; bf16/f16 models run the two gradient GEMMs on
     # dz rounded to their dtype with f32 accumulation (the usual mixed precision).
@@ -90,6 +133,8 @@ def backward(
     g_full = None
     if g_logits is not None:  # logits were returned (already [N, vocab_size]); pad to the weight's rows
         g_full = jnp.pad(g_logits.astype(jnp.float32), ((0, 0), (0, v_rows - g_logits.shape[1])))
+    want_plp = row_sums and entropy is None
+    want_var = row_sums and g_entropy is not None
 
     def dz_of(i, start, w_c, cols):
         fresh = (cols >= i * chunk) & (cols < vocab_size)  # each column once; real vocab only
@@ -98,35 +143,77 @@ def backward(
         )
         if bias is not None:
             z = z + lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)[None, :]
-        p = jnp.where(fresh[None, :], jnp.exp(z * inv_t[:, None] - lse[:, None]), 0.0)
+        lp = z * inv_t[:, None] - lse[:, None]
+        p = jnp.where(fresh[None, :], jnp.exp(lp), 0.0)
         onehot = (cols[None, :] == targets[:, None]) & fresh[None, :]
-        dz = inv_t[:, None] * (g_lse[:, None] * p + g_logp[:, None] * (onehot.astype(jnp.float32) - p))
+        g = g_lse[:, None] * p + g_logp[:, None] * (onehot.astype(jnp.float32) - p)
+        sums = ()
+        if g_entropy is not None or want_plp:
+            lp_safe = jnp.where(p > 0, lp, 0.0)  # p = 0 lanes (padding, -inf logits) add nothing
+        if g_entropy is not None:
+            c = lp_safe + entropy[:, None]  # lp + H = y - E_p[y]
+            pc = p * c
+            g = g - g_entropy[:, None] * pc
+        if want_plp:
+            sums += (jnp.sum(p * lp_safe, axis=1),)
+        if want_var:
+            sums += (jnp.sum(pc * c, axis=1),)
+        dz = inv_t[:, None] * g
         if g_full is not None:
             dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
-        return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype)  # bf16 operands for bf16 models
+        return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype), sums  # bf16 operands for bf16 models
 
-    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits)
-    dh, dw, db = _chunk_walk(dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec, operands, v_axis)
-    return dh.astype(hidden.dtype), dw, db
+    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy)
+    n_sums = int(want_plp) + int(want_var)
+    dh, dw, db, sums = _chunk_walk(
+        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec, operands, v_axis, n_sums
+    )
+    out = (dh.astype(hidden.dtype), dw, db)
+    if not row_sums:
+        return out
+    sums = list(sums)
+    plp = sums.pop(0) if want_plp else None
+    var = sums.pop(0) if want_var else None
+    return out + ((plp, var),)
 
 
-def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_axis=0):
+def inv_t_cotangent(inv_t, lse, logp, targets, vocab_size, g_logp, g_lse, entropy, g_entropy, plp, var):
+    """dL/d(inv_t) per row from row statistics (see the module docstring):
+    (g_lse * (lse - H) + g_logp * (logp + H) - g_H * var) / inv_t, with H the forward's
+    entropy or -plp, and the logp term only on live rows. g_logp / g_lse may be None (zero)."""
+    live = (targets >= 0) & (targets < vocab_size)
+    h = entropy.astype(jnp.float32) if entropy is not None else -plp
+    acc = jnp.zeros_like(lse, jnp.float32)
+    if g_lse is not None:
+        acc = acc + g_lse.astype(jnp.float32) * (lse - h)
+    if g_logp is not None:
+        acc = acc + jnp.where(live, g_logp.astype(jnp.float32) * (logp + h), 0.0)
+    if g_entropy is not None:
+        acc = acc - g_entropy.astype(jnp.float32) * var
+    return acc / inv_t.astype(jnp.float32)
+
+
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_axis=0, n_sums=0):
     """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
     two runs give identical bytes): for chunk i (clamped to end at the last weight
-    row), dz = dz_of(i, start, w_c, cols) [rows, chunk] in the GEMM dtype, then
-    dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] += sum_rows dz.
-    Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None).
+    row), dz, sums = dz_of(i, start, w_c, cols) with dz [rows, chunk] in the GEMM
+    dtype and `n_sums` per-row f32 sums over the chunk's fresh columns, then
+    dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] += sum_rows dz, and each row sum
+    is added to its accumulator in chunk order.
+    Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None,
+    the tuple of row sums).
     `operands`: every array dz depends on (the carries take their mesh axes under vma typing).
     `v_axis`: the weight's vocabulary axis (0: [V, D], 1: [D, V]; chunks are read in place)."""
     v_rows = weight.shape[v_axis]
     wd = "vd" if v_axis == 0 else "dv"
 
     def body(carry, i):
-        dh, dw, db = carry
+        dh, dw, db, acc = carry
         start = jnp.minimum(i * chunk, v_rows - chunk)
         w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=v_axis)
         cols = start + jnp.arange(chunk)
-        dz = dz_of(i, start, w_c, cols)
+        dz, sums = dz_of(i, start, w_c, cols)
+        acc = tuple(a + s for a, s in zip(acc, sums))
         dh = dh + jnp.einsum(
             f"nv,{wd}->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec
         )
@@ -134,16 +221,17 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_
         if db is not None:
             prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
             db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
-        return (dh, dw, db), None
+        return (dh, dw, db, acc), None
 
     init = (
         jnp.zeros(hidden.shape, jnp.float32),
         jnp.zeros(weight.shape, weight.dtype),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+        tuple(jnp.zeros(hidden.shape[:1], jnp.float32) for _ in range(n_sums)),
     )
     init = vma.like(init, *operands)
-    (dh, dw, db), _ = lax.scan(body, init, jnp.arange(n_chunks))
-    return dh, dw, (None if bias is None else db.astype(bias.dtype))
+    (dh, dw, db, acc), _ = lax.scan(body, init, jnp.arange(n_chunks))
+    return dh, dw, (None if bias is None else db.astype(bias.dtype)), acc
 
 
 def _update_dw(dw, dz, hidden, start, fresh_rows, prec, v_axis=0):
@@ -159,12 +247,30 @@ def _update_dw(dw, dz, hidden, start, fresh_rows, prec, v_axis=0):
     return lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh, dw_c, prev), start, axis=v_axis)
 
 
-def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, *, vocab_size, chunk, n_chunks, dz):
+def _backward_fused_dz(
+    hidden,
+    weight,
+    bias,
+    targets,
+    inv_t,
+    lse,
+    g_logp,
+    g_lse,
+    *,
+    vocab_size,
+    chunk,
+    n_chunks,
+    dz,
+    entropy=None,
+    g_entropy=None,
+):
     """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
     g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32.
 
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) = c1 * p + c2 * onehot
-    with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row.
+    with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row; with an entropy
+    cotangent (a kernel declaring `DzKernel.entropy`) also + c3 * p * (lp + h) with
+    c3 = -inv_t * g_entropy and h the forward's entropy.
     """
     n = hidden.shape[0]
     n_pad = -(-n // dz.row_multiple) * dz.row_multiple
@@ -185,11 +291,15 @@ def _backward_fused_dz(hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse,
         padr(c1),
         padr(c2),
     )
+    ent_kw = {}
+    if g_entropy is not None:  # padding rows: c3 = 0, h = 0
+        ent_kw = {"c3": padr(-inv_t * g_entropy), "h": padr(entropy)}
 
     def dz_of(i, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
-        return dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start)
+        out = dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start, **ent_kw)
+        return out, ()
 
-    operands = (hp, weight, bias, tp, it, lp, c1p, c2p)
-    dh, dw, db = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None, operands)
+    operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
+    dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None, operands)
     return dh[:n].astype(hidden.dtype), dw, db

@@ -8,7 +8,8 @@
   `DETLOGP_CHECKED`); `check_targets` raises on out-of-range targets, eagerly
   or at run time under jit.
 * `inv_temperature(temperature, n_rows)` gives fl(1/T) per row, the contract's
-  scale, with NaN in a row whose traced temperature is not positive and finite.
+  scale, with NaN in a row whose traced temperature is not positive and finite;
+  it carries the derivative of 1/T, so the temperature is differentiable.
 * `tuning_key(tuning)` turns bit-neutral knobs into a hashable static key.
 * `record_provenance(...)` builds the provenance of a call and makes it the one
   `last_provenance()` reports.
@@ -16,7 +17,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import os
@@ -186,27 +186,26 @@ def tuning_key(tuning) -> tuple:
 
 
 @jax.custom_jvp
-def _undifferentiable_temperature(t):
-    return t
+def reciprocal(t):
+    """fl(1/t) per element (`numerics.reciprocal_rn`: integer operations, the same bits on
+    every backend) with the derivative of 1/t attached: d(1/t) = -(1/t)^2 dt (the integer
+    program itself has no derivative)."""
+    return numerics.reciprocal_rn(t)
 
 
-@functools.partial(_undifferentiable_temperature.defjvp, symbolic_zeros=True)
-def _temperature_jvp(primals, tangents):
+@reciprocal.defjvp
+def _reciprocal_jvp(primals, tangents):
     (t,), (dt,) = primals, tangents
-    if not isinstance(dt, jax.custom_derivatives.SymbolicZero):
-        raise TypeError(
-            "linear_logp is not differentiable with respect to the temperature yet (its exact gradient "
-            "needs the entropy statistic); pass the temperature through jax.lax.stop_gradient"
-        )
-    return t, jnp.zeros_like(t)
+    inv = numerics.reciprocal_rn(t)
+    return inv, -(inv * inv) * dt
 
 
 def inv_temperature(temperature, n_rows: int):
     """fl(1/T) [n_rows] f32 for a scalar or per-row temperature; NaN where T <= 0 or not finite.
-    Differentiating through it raises (a silent zero gradient would be wrong)."""
-    temperature = _undifferentiable_temperature(jnp.asarray(temperature, jnp.float32))
-    t = jnp.broadcast_to(temperature.reshape(-1), (n_rows,))
-    inv = numerics.inv_temperature(t, n_rows)
+    Differentiable: the temperature gets d(1/T)/dT = -1/T^2 times the op's exact inv_t
+    cotangent (see `detlogp_jax.grad`)."""
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape(-1), (n_rows,))
+    inv = reciprocal(t)
     # A traced non-positive temperature makes only its own row NaN.
     return jnp.where((t > 0) & jnp.isfinite(t), inv, jnp.nan)
 
@@ -222,10 +221,20 @@ def last_provenance() -> C.Provenance | None:
 
 
 def make_provenance(
-    be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str, weight_layout: str = "vd"
+    be: backends.Backend,
+    fallback: bool,
+    vocab: int,
+    padded: int,
+    requested: str,
+    weight_layout: str = "vd",
+    entropy: bool = False,
 ) -> C.Provenance:
-    """The provenance record of a call served by `be` (requested as `requested`)."""
+    """The provenance record of a call served by `be` (requested as `requested`);
+    `entropy`: the call returns the entropy (recorded as its statistic's id)."""
     info = backends.platform_info()
+    entropy_id = None
+    if entropy:
+        entropy_id = C.ENTROPY_ID if be.contract_bearing else "none (non-contract lane)"
     return C.Provenance(
         contract_id=C.CONTRACT_ID if be.contract_bearing else "none (non-contract lane)",
         backend=be.name,
@@ -241,13 +250,20 @@ def make_provenance(
         requested_backend=requested,
         fallback=fallback,
         weight_layout=weight_layout,
+        entropy_id=entropy_id,
     )
 
 
 def record_provenance(
-    be: backends.Backend, fallback: bool, vocab: int, padded: int, requested: str, weight_layout: str = "vd"
+    be: backends.Backend,
+    fallback: bool,
+    vocab: int,
+    padded: int,
+    requested: str,
+    weight_layout: str = "vd",
+    entropy: bool = False,
 ) -> C.Provenance:
     """Builds the call's provenance and makes it the one `last_provenance()` reports."""
-    prov = make_provenance(be, fallback, vocab, padded, requested, weight_layout)
+    prov = make_provenance(be, fallback, vocab, padded, requested, weight_layout, entropy)
     _LAST_PROVENANCE[:] = [prov]
     return prov

@@ -8,7 +8,9 @@ so each product passes an opaque integer xor with zero that no compiler can see
 through. Pallas kernels pass their own ops (inline PTX `mul.rn.ftz.f32`, ...).
 
 These functions mirror `detlogp_jax.oracle` operation by operation; the oracle
-is the spec, these are implementations.
+is the spec, these are implementations. The entropy statistic
+(`linear-logp-entropy-v1`) has its own functions (`chain_step_entropy`,
+`rescale_a`, `entropy_of`, `fold(..., a=...)`), used only when it is asked for.
 """
 
 from __future__ import annotations
@@ -143,6 +145,39 @@ def chain_step(m, s, y, valid, ops):
     return m_new, ops.add(ops.mul(s, alpha), tree64(e, ops))
 
 
+def fmul_ftz(a, b, ops):
+    """fl(a * b) flushed explicitly (the entropy's products can be subnormal; XLA:GPU does not flush)."""
+    return ftz(ops.mul(a, b))
+
+
+def rescale_a(a, s, m, m_new, w, ops):
+    """The entropy statistic A of a partial (m, S, A) re-based from max m to m_new >= m
+    (see oracle.rescale_a): A if m == m_new, else +0 if w == 0, else
+    fl(w * fl(A + fl(fl(m - m_new) * S))), with w = pexp(fl(m - m_new)) S's weight."""
+    moved = fmul_ftz(w, ops.add(a, fmul_ftz(ftz(ops.sub(m, m_new)), s, ops)), ops)
+    out = jnp.where(w == 0, jnp.asarray(0.0, F32), moved)
+    return jnp.where(m == m_new, a, out)
+
+
+def chain_step_entropy(m, s, a, y, valid, ops):
+    """`chain_step` that also carries the entropy statistic A [..] (oracle.split_partials,
+    return_entropy=True). m and S get exactly `chain_step`'s bits: e = pexp(d) with
+    d = fl(y - m'); u = +0 if e == 0 else fl(e * d); A = fl(resc(A) + tree64(u))."""
+    m_new = jnp.maximum(m, jnp.max(y, axis=-1))
+    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), pexp(ops.sub(m, m_new), ops))
+    d = ops.sub(y, m_new[..., None])
+    e = jnp.where(valid, pexp(d, ops), jnp.asarray(0.0, F32))
+    u = jnp.where(e == 0, jnp.asarray(0.0, F32), fmul_ftz(e, ftz(d), ops))
+    a_new = ops.add(rescale_a(a, s, m, m_new, alpha, ops), tree64(u, ops))
+    return m_new, ops.add(ops.mul(s, alpha), tree64(e, ops)), a_new
+
+
+def entropy_of(s, a, ops):
+    """h = fl(plog(S) - fl(A * rcp(S))) with rcp = `reciprocal_rn`; +0 if h < 0 else h."""
+    h = ops.sub(plog(s, ops), fmul_ftz(a, reciprocal_rn(s), ops))
+    return jnp.where(h < 0, jnp.asarray(0.0, F32), h)
+
+
 def reciprocal_rn(t):
     """fl(1 / t) for f32 t: correctly rounded (nearest even), FTZ on input and output.
 
@@ -188,21 +223,38 @@ def inv_temperature(temperature, n_rows: int):
     return reciprocal_rn(t)
 
 
-def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None):
+def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None, a=None):
     """Merges split partials [N, n_split] in ascending order -> (logp, lse) [N].
 
     Global max first, then S = fl(S + fl(S_j * w_j)) over ascending j; see
     oracle.fold for the full statement (ignore_index, bad targets, clamp).
+    a: the entropy statistic [N, n_split] of the same splits (or None); given, the same
+    scan also folds A = fl(A + rescale_a(A_j, S_j, m_j, M, w_j)) and the result is
+    (logp, lse, entropy) (oracle.fold_entropy); S, lse and logp keep their bits.
     """
     ops = XlaOps(opaque_zero(m, s, z_t, targets, inv_t)) if ops is None else ops
     big_m = jnp.max(m, axis=1)
+    if a is None:
 
-    def body(acc, cols):
-        m_j, s_j = cols
-        w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), pexp(ops.sub(m_j, big_m), ops))
-        return ops.add(acc, ops.mul(s_j, w)), None
+        def body(acc, cols):
+            m_j, s_j = cols
+            w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), pexp(ops.sub(m_j, big_m), ops))
+            return ops.add(acc, ops.mul(s_j, w)), None
 
-    acc, _ = lax.scan(body, vma.like(jnp.zeros_like(big_m), m, s), (m.T, s.T))
+        acc, _ = lax.scan(body, vma.like(jnp.zeros_like(big_m), m, s), (m.T, s.T))
+        entropy = None
+    else:
+
+        def body_h(carry, cols):
+            acc, acc_a = carry
+            m_j, s_j, a_j = cols
+            w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), pexp(ops.sub(m_j, big_m), ops))
+            acc_a = ops.add(acc_a, rescale_a(a_j, s_j, m_j, big_m, w, ops))
+            return (ops.add(acc, ops.mul(s_j, w)), acc_a), None
+
+        init = vma.like((jnp.zeros_like(big_m), jnp.zeros_like(big_m)), m, s, a)
+        (acc, acc_a), _ = lax.scan(body_h, init, (m.T, s.T, a.T))
+        entropy = entropy_of(acc, acc_a, ops)
     lse = ops.add(big_m, plog(acc, ops))
     y_t = ftz(ops.mul(ftz(z_t), inv_t))
     d = ops.sub(y_t, lse)
@@ -210,4 +262,4 @@ def fold(m, s, z_t, targets, inv_t, vocab_size: int, ops=None):
     logp = jnp.where(targets == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
     bad = C.bad_target(targets, vocab_size)
     logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
-    return logp, lse
+    return (logp, lse) if entropy is None else (logp, lse, entropy)

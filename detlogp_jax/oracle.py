@@ -8,6 +8,9 @@ The contract uses no FMA anywhere (see CONTRACT.md, "Why no FMA").
 
 Given a backend's FP32 logits (the serving entry returns them), `logp_lse`
 recomputes logp and lse; a contract-bearing backend must match it bit for bit.
+`entropy` (and `logp_lse_entropy`) recompute the per-row entropy statistic of
+`linear-logp-entropy-v1` (CONTRACT.md section 9) from the same logits; a backend
+that produces the entropy must match it bit for bit too.
 """
 
 from __future__ import annotations
@@ -144,13 +147,39 @@ def inv_temperature(temperature, n_rows: int):
     return f_div(F32(1.0), t)
 
 
-def split_partials(z, vocab_size: int, padded_vocab_size: int, inv_t):
+def reciprocal(s):
+    """rcp(s) = fl(1 / s), one correctly rounded division under FTZ (the entropy's 1/S)."""
+    return f_div(F32(1.0), np.asarray(s, F32))
+
+
+def rescale_a(a, s, m, m_new, w):
+    """The entropy statistic A of a partial (m, S, A) re-based from max m to max m_new >= m.
+
+    With delta = fl(m - m_new) <= 0 and w = pexp(delta) (the weight S is scaled by):
+    sum e^(y - m_new) (y - m_new) = w * (A + delta * S), so
+    resc = A                                  if m == m_new  (the max did not move)
+         = +0                                 if w == 0      (a zero weight: also m = -inf)
+         = fl(w * fl(A + fl(delta * S)))      otherwise.
+    """
+    a, s, m, m_new, w = (np.asarray(v, F32) for v in (a, s, m, m_new, w))
+    with np.errstate(all="ignore"):
+        moved = f_mul(w, f_add(a, f_mul(f_sub(m, m_new), s)))
+        out = np.where(w == 0, F32(0.0), moved)
+        return np.where(m == m_new, a, out).astype(F32)
+
+
+def split_partials(z, vocab_size: int, padded_vocab_size: int, inv_t, *, return_entropy: bool = False):
     """Per-split (m, S) of scaled logits y = fl(z * inv_t) for rows of z [N, >= vocab_size].
 
     Lanes at col >= vocab_size are padding (y = -inf, e = +0) whatever z holds.
     Chain per split over ascending tiles:  tm = max(y_tile);  m' = max(m, tm);
     alpha = 1 if m == m' else exp(m - m');  e = exp(y - m') (0 on padding);
     S = fl(fl(S*alpha) + tree64(e));  m = m'.  Starts at m = -inf, S = +0.
+
+    return_entropy: also the entropy statistic A per split (returns (m, S, A)). In the
+    same step, from the same S before its update: d = fl(y - m') (the argument of e's
+    exp), u = +0 if e == 0 else fl(e * d), A = fl(rescale_a(A, S, m, m', alpha) + tree64(u)).
+    Starts at A = +0.
     """
     plan = C.split_bounds(padded_vocab_size)
     z = np.asarray(z, dtype=F32)
@@ -165,20 +194,27 @@ def split_partials(z, vocab_size: int, padded_vocab_size: int, inv_t):
     y = np.where(valid[None, :], f_mul(zz, inv_t), F32(-np.inf)).astype(F32)
     m_out = np.empty((n, plan.n_split), F32)
     s_out = np.empty((n, plan.n_split), F32)
+    a_out = np.empty((n, plan.n_split), F32)
     for j, (t0, t1) in enumerate(zip(plan.starts, plan.ends)):
         m = np.full((n,), F32(-np.inf))
         s = np.zeros((n,), F32)
+        a = np.zeros((n,), F32)
         for tile in range(t0, t1):
             sl = slice(tile * C.TILE_V, (tile + 1) * C.TILE_V)
             yt, vt = y[:, sl], valid[sl]
             m_new = np.maximum(m, np.max(yt, axis=1))
             alpha = np.where(m == m_new, F32(1.0), pexp(f_sub(m, m_new))).astype(F32)
-            e = np.where(vt[None, :], pexp(f_sub(yt, m_new[:, None])), F32(0.0)).astype(F32)
+            d = f_sub(yt, m_new[:, None])
+            e = np.where(vt[None, :], pexp(d), F32(0.0)).astype(F32)
+            if return_entropy:
+                u = np.where(e == 0, F32(0.0), f_mul(e, d)).astype(F32)
+                a = f_add(rescale_a(a, s, m, m_new, alpha), tree64(u))
             s = f_add(f_mul(s, alpha), tree64(e))
             m = m_new
         m_out[:, j] = m
         s_out[:, j] = s
-    return m_out, s_out
+        a_out[:, j] = a
+    return (m_out, s_out, a_out) if return_entropy else (m_out, s_out)
 
 
 def fold(m, s, z_t, targets, inv_t, vocab_size: int):
@@ -206,6 +242,59 @@ def fold(m, s, z_t, targets, inv_t, vocab_size: int):
     bad = C.bad_target(targets, vocab_size)
     logp = np.where(bad, F32(np.nan), logp).astype(F32)
     return logp, lse
+
+
+def fold_entropy(m, s, a):
+    """Merges split partials (m, S, A) in ascending order; returns the entropy [N].
+
+    M = max_j m_j; S = +0, A = +0; for j ascending: w_j = 1 if m_j == M else
+    exp(m_j - M); S = fl(S + fl(S_j * w_j)); A = fl(A + rescale_a(A_j, S_j, m_j, M, w_j)).
+    h = fl(plog(S) - fl(A * rcp(S)));  entropy = +0 if h < 0 else h (NaN propagates).
+    (S and the global max are exactly those of `fold`; A <= 0, so h >= 0 already.)
+    """
+    m = np.asarray(m, F32)
+    s = np.asarray(s, F32)
+    a = np.asarray(a, F32)
+    big_m = np.max(m, axis=1)
+    s_acc = np.zeros(m.shape[0], F32)
+    a_acc = np.zeros(m.shape[0], F32)
+    for j in range(m.shape[1]):
+        w = np.where(m[:, j] == big_m, F32(1.0), pexp(f_sub(m[:, j], big_m))).astype(F32)
+        s_acc = f_add(s_acc, f_mul(s[:, j], w))
+        a_acc = f_add(a_acc, rescale_a(a[:, j], s[:, j], m[:, j], big_m, w))
+    return entropy_of(s_acc, a_acc)
+
+
+def entropy_of(s, a):
+    """h = fl(plog(S) - fl(A * rcp(S))); +0 if h < 0 else h: the entropy of folded (S, A)."""
+    h = f_sub(plog(s), f_mul(np.asarray(a, F32), reciprocal(s)))
+    return np.where(h < 0, F32(0.0), h).astype(F32)
+
+
+def entropy(logits, *, temperature=1.0, vocab_size=None, padded_vocab_size=None):
+    """The entropy [N] of softmax(logits / T) over the real vocabulary, per `linear-logp-entropy-v1`,
+    from FP32 (unscaled, bias included) logits [N, >= vocab_size]. Targets play no part."""
+    z = ftz(np.asarray(logits, F32))
+    n = z.shape[0]
+    vocab_size = z.shape[1] if vocab_size is None else int(vocab_size)
+    padded_vocab_size = vocab_size if padded_vocab_size is None else int(padded_vocab_size)
+    inv_t = inv_temperature(temperature, n)
+    m, s, a = split_partials(z, vocab_size, padded_vocab_size, inv_t, return_entropy=True)
+    return fold_entropy(m, s, a)
+
+
+def logp_lse_entropy(logits, targets, *, temperature=1.0, vocab_size=None, padded_vocab_size=None):
+    """(logp, lse, entropy) of FP32 logits: `logp_lse` and `entropy` from one pass of partials."""
+    z = ftz(np.asarray(logits, F32))
+    n = z.shape[0]
+    vocab_size = z.shape[1] if vocab_size is None else int(vocab_size)
+    padded_vocab_size = vocab_size if padded_vocab_size is None else int(padded_vocab_size)
+    targets = np.asarray(targets).astype(np.int64)
+    inv_t = inv_temperature(temperature, n)
+    m, s, a = split_partials(z, vocab_size, padded_vocab_size, inv_t, return_entropy=True)
+    safe = np.clip(targets, 0, z.shape[1] - 1)
+    logp, lse = fold(m, s, z[np.arange(n), safe], targets, inv_t, vocab_size)
+    return logp, lse, fold_entropy(m, s, a)
 
 
 def logp_lse(logits, targets, *, temperature=1.0, vocab_size=None, padded_vocab_size=None):

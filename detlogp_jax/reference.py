@@ -8,8 +8,12 @@ Rows never interact, and the vocabulary is streamed tile by tile across all
 splits at once, so the trainer path holds O(rows_per_block * n_split * 64)
 floats, never [N, V].
 
+With `return_entropy=True` the chain also carries the entropy statistic A
+(`numerics.chain_step_entropy`) and the fold returns the entropy
+(`linear-logp-entropy-v1`); without it the program is the one it always was.
+
 Its logits need not equal a GPU kernel's (tensor cores do not accumulate as a
-sequence of IEEE adds); given its own logits, logp/lse equal the oracle's.
+sequence of IEEE adds); given its own logits, logp/lse (and the entropy) equal the oracle's.
 On XLA:CPU (FTZ/DAZ arithmetic) the logits equal `oracle.reference_logits`.
 """
 
@@ -35,9 +39,12 @@ def _local_plan(padded_vocab_size: int, col_offset: int, shard_cols: int):
     return starts, ends
 
 
-def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, zero, return_logits, d_axis):
+def _block_partials(
+    h, weight, bias, gather, col_steps, t, inv_t, vocab_size, zero, return_logits, d_axis, return_entropy=False
+):
     """Partials for one block of rows; the chain walks `col_steps` [steps, n_loc*64].
-    `d_axis`: the weight's D axis (1 for [V, D], 0 for [D, V]: read in place)."""
+    `d_axis`: the weight's D axis (1 for [V, D], 0 for [D, V]: read in place).
+    return_entropy: the carry also holds the entropy statistic A (returned last)."""
     ops = numerics.XlaOps(zero)
     rows = h.shape[0]
     n_loc = col_steps.shape[1] // C.TILE_V
@@ -58,17 +65,21 @@ def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, ze
         return numerics.ftz(acc)
 
     def step(carry, xs):
-        m, s, z_t, owned = carry
+        m, s, z_t, owned = carry[:4]
         g, cols = xs
         z = logits_of(g, cols)  # [rows, n_loc*64]
         valid = (cols >= 0) & (cols < vocab_size)
         y = numerics.ftz(ops.mul(z, inv_t[:, None]))
         y = jnp.where(valid[None, :], y, -jnp.inf).reshape(rows, n_loc, C.TILE_V)
-        m, s = numerics.chain_step(m, s, y, valid.reshape(1, n_loc, C.TILE_V), ops)
+        valid = valid.reshape(1, n_loc, C.TILE_V)
+        if return_entropy:
+            m, s, a = numerics.chain_step_entropy(m, s, carry[4], y, valid, ops)
+        else:
+            m, s = numerics.chain_step(m, s, y, valid, ops)
         hit = (cols[None, :] == t[:, None]) & (cols[None, :] >= 0)
         z_sel = jnp.max(jnp.where(hit, z, -jnp.inf), axis=1)
         found = jnp.any(hit, axis=1)
-        carry = (m, s, jnp.where(found, z_sel, z_t), owned | found)
+        carry = (m, s, jnp.where(found, z_sel, z_t), owned | found) + ((a,) if return_entropy else ())
         return carry, (z if return_logits else None)
 
     init = (
@@ -77,9 +88,11 @@ def _block_partials(h, weight, bias, gather, col_steps, t, inv_t, vocab_size, ze
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows,), bool),
     )
+    if return_entropy:
+        init += (jnp.zeros((rows, n_loc), jnp.float32),)
     init = vma.like(init, h, weight, bias, t, inv_t, zero)
-    (m, s, z_t, owned), zs = lax.scan(step, init, (gather, col_steps))
-    return m, s, z_t, owned, zs
+    carry, zs = lax.scan(step, init, (gather, col_steps))
+    return carry, zs
 
 
 def partials(
@@ -97,6 +110,7 @@ def partials(
     logits_cols: int | None = None,
     row_block: int | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ):
     """Split partials of the contract for rows of `hidden` against `weight`.
 
@@ -106,7 +120,9 @@ def partials(
     columns of the shard beyond Vl (an unpadded weight) and columns >= vocab_size
     are padding. Returns (m, s) [N, n_local], the owner's raw z_t [N] (valid
     where `owned`), and, with `return_logits`, logits [N, Vl] f32 (only the
-    first `logits_cols` columns if given).
+    first `logits_cols` columns if given). With `return_entropy` a sixth array
+    follows: the entropy statistic A [N, n_local] of the same splits (CONTRACT.md
+    section 9); without it the statistic is not traced at all.
     """
     shard_cols = padded_vocab_size - col_offset if shard_cols is None else shard_cols
     starts, ends = _local_plan(padded_vocab_size, col_offset, shard_cols)
@@ -143,11 +159,12 @@ def partials(
 
     def run_block(args):
         h, t, it = args
-        return _block_partials(h, weight, bias, gather, col_steps, t, it, vocab_size, zero, return_logits, d_axis)
+        return _block_partials(
+            h, weight, bias, gather, col_steps, t, it, vocab_size, zero, return_logits, d_axis, return_entropy
+        )
 
-    m, s, z_t, owned, zs = lax.map(
-        run_block, (hp.reshape(n_blocks, rb, d), tp.reshape(n_blocks, rb), ip.reshape(n_blocks, rb))
-    )
+    carry, zs = lax.map(run_block, (hp.reshape(n_blocks, rb, d), tp.reshape(n_blocks, rb), ip.reshape(n_blocks, rb)))
+    m, s, z_t, owned = carry[:4]
     unblock = lambda a: a.reshape((n_blocks * rb,) + a.shape[2:])[:n_rows]
     logits = None
     if return_logits:
@@ -162,9 +179,11 @@ def partials(
                 raise ValueError(f"logits_cols must be in [1, {v_local}], got {logits_cols}")
             order = order[:logits_cols]
         logits = zs[:, order]
-    return unblock(m), unblock(s), unblock(z_t), unblock(owned), logits
+    out = (unblock(m), unblock(s), unblock(z_t), unblock(owned), logits)
+    return out + (unblock(carry[4]),) if return_entropy else out
 
 
-def fold(m, s, z_t, targets, inv_t, vocab_size: int):
-    """The contract's fold of split partials (see `numerics.fold`)."""
-    return numerics.fold(m, s, z_t, targets, inv_t, vocab_size)
+def fold(m, s, z_t, targets, inv_t, vocab_size: int, a=None):
+    """The contract's fold of split partials (see `numerics.fold`); with the entropy
+    statistic `a` it returns (logp, lse, entropy)."""
+    return numerics.fold(m, s, z_t, targets, inv_t, vocab_size, a=a)

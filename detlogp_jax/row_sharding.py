@@ -62,16 +62,18 @@ def explicit_rows(hidden, weight, bias):
     return mesh, spec[:n_lead]
 
 
-def run_per_shard(fn, mesh, row_entries, hidden, weight, bias, targets, temperature, *, logits: bool):
-    """fn(hidden, weight, bias, targets, temperature) -> (logp, lse, logits | None), run
-    per row shard: targets and a per-row temperature are resharded like hidden's rows."""
+def run_per_shard(
+    fn, mesh, row_entries, hidden, weight, bias, targets, temperature, *, logits: bool, entropy: bool = False
+):
+    """fn(hidden, weight, bias, targets, temperature) -> (logp, lse, logits | None, entropy | None),
+    run per row shard: targets and a per-row temperature are resharded like hidden's rows."""
     rows = P(*row_entries)
     per_row_t = getattr(temperature, "ndim", 0) > 0
     targets = jax.reshard(targets, NamedSharding(mesh, rows))
     if per_row_t:
         temperature = jax.reshard(temperature, NamedSharding(mesh, rows))
     in_specs = (P(*row_entries, None), P(), P(), rows, rows if per_row_t else P())
-    out_specs = (rows, rows, P(*row_entries, None) if logits else None)
+    out_specs = (rows, rows, P(*row_entries, None) if logits else None, rows if entropy else None)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
         hidden, weight, bias, targets, temperature
     )

@@ -27,16 +27,32 @@ def logits(hidden, weight, bias=None, weight_layout: str = "vd"):
 
 
 def forward(
-    hidden, weight, bias, targets, inv_t, *, vocab_size: int, return_logits: bool = False, weight_layout: str = "vd"
+    hidden,
+    weight,
+    bias,
+    targets,
+    inv_t,
+    *,
+    vocab_size: int,
+    return_logits: bool = False,
+    weight_layout: str = "vd",
+    return_entropy: bool = False,
 ):
     """(logp, lse, logits|None) with XLA's own logsumexp; same semantics for
-    ignore_index (+0) and bad targets (NaN) as the contract, other bits free."""
+    ignore_index (+0) and bad targets (NaN) as the contract, other bits free.
+    return_entropy: a fourth output, the entropy lse - sum(softmax(y) * y) of the
+    materialized scaled logits (XLA's reductions, not the contract's statistic)."""
     z = logits(hidden, weight, bias, weight_layout)[:, :vocab_size]
     y = z * inv_t[:, None]
     lse = jax.nn.logsumexp(y, axis=1)
     safe = jnp.clip(targets, 0, vocab_size - 1)
     y_t = jnp.take_along_axis(y, safe[:, None], axis=1)[:, 0]
-    return clamped_logp(y_t, lse, targets, vocab_size), lse, (z if return_logits else None)
+    out = (clamped_logp(y_t, lse, targets, vocab_size), lse, (z if return_logits else None))
+    if not return_entropy:
+        return out
+    p = jax.nn.softmax(y, axis=1)
+    mean_y = jnp.sum(p * jnp.where(p > 0, y, 0.0), axis=1)  # p = 0 lanes (y = -inf too) add nothing
+    return out + (jnp.maximum(lse - mean_y, 0.0),)
 
 
 def clamped_logp(y_t, lse, targets, vocab_size: int):

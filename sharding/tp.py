@@ -16,7 +16,10 @@ single-device `linear_logp` with the same backend, because:
   single-device [N, n_split] arrays;
 * the merge is the backend's `fold`, the very function single-device uses;
 * z_t is all-gathered with its ownership flag and the owner's value is
-  *selected*, never summed.
+  *selected*, never summed;
+* with `return_entropy=True` the entropy statistic A of every split travels
+  the same way (a tiled all_gather in rank order next to m and S) and the same
+  fold merges it, so the entropy bytes are TP-invariant too.
 
 No vocab statistic is ever reduced with psum / logsumexp / sum across ranks,
 and none is reduced across a row axis (rows are owned, not reduced).
@@ -24,7 +27,10 @@ and none is reduced across a row axis (rows are owned, not reduced).
 Gradients (not frozen by the contract, but deterministic) reuse
 `detlogp_jax.grad.backward` per vocab shard with the globally folded lse; the
 hidden gradient is summed over TP ranks in ascending rank order after an
-all_gather, the weight/bias shard gradients are psum-ed over row axes.
+all_gather, the weight/bias shard gradients are psum-ed over row axes. The
+entropy's cotangent needs only the globally folded entropy; the temperature's
+needs per-row sums over the vocabulary, which are added over TP ranks in
+ascending rank order too.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from detlogp_jax import backends, inputs, vma
 from detlogp_jax import contract as C
 from detlogp_jax import grad as grad_lib
-from detlogp_jax.api import LogpOutput
+from detlogp_jax.api import LogpOutput, nonzero_cotangents, unwrap_primals
 
 __all__ = [
     "TPConfig",
@@ -110,6 +116,7 @@ class TPConfig:
     static_offset: int | None = None  # this rank's first column when known statically
     tuning: tuple = ()
     weight_layout: str = "vd"  # "dv": the shards are [D, V_pad/tp] column blocks of a [D, V_pad] kernel
+    return_entropy: bool = False  # also the entropy statistic (partials, gather, fold)
 
     @property
     def v_axis(self) -> int:
@@ -118,6 +125,9 @@ class TPConfig:
 
     def layout_kwargs(self) -> dict:
         return {} if self.weight_layout == "vd" else {"weight_layout": self.weight_layout}
+
+    def entropy_kwargs(self) -> dict:
+        return {"return_entropy": True} if self.return_entropy else {}
 
 
 # --- per-rank forward ---------------------------------------------------------------
@@ -145,6 +155,7 @@ def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offs
             shard_cols=cfg.shard,
             return_logits=cfg.return_logits,
             **cfg.layout_kwargs(),
+            **cfg.entropy_kwargs(),
             **kw,
         )
 
@@ -175,9 +186,11 @@ def _gather_invariant(x, axis_name, *, axis, tiled):
 
 
 def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig):
-    """One rank: local partials -> all_gather (rank order) -> the backend's fold."""
+    """One rank: local partials -> all_gather (rank order) -> the backend's fold.
+    Returns (logp, lse, logits | None, entropy | None)."""
     be = backends.get(cfg.backend)
-    m, s, z_t, owned, logits = _rank_partials(be, cfg, hidden, weight, bias, targets, inv_t, offset)
+    parts = _rank_partials(be, cfg, hidden, weight, bias, targets, inv_t, offset)
+    m, s, z_t, owned, logits = parts[:5]
     # Tiled all_gather along the split axis: rank r's n_loc splits land at
     # [r*n_loc, (r+1)*n_loc): exactly the single-device [N, n_split] sequence.
     m_all = _gather_invariant(m, cfg.axis_name, axis=1, tiled=True)
@@ -188,11 +201,16 @@ def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig):
     z_sel = jnp.zeros_like(zt_all[0])
     for r in range(cfg.tp):
         z_sel = jnp.where(own_all[r], zt_all[r], z_sel)
-    logp, lse = be.fold(m_all, s_all, z_sel, targets, inv_t, cfg.vocab_size)
+    entropy = None
+    if cfg.return_entropy:  # the statistic travels like S: rank order, no arithmetic in transit
+        a_all = _gather_invariant(parts[5], cfg.axis_name, axis=1, tiled=True)
+        logp, lse, entropy = be.fold(m_all, s_all, z_sel, targets, inv_t, cfg.vocab_size, a=a_all)
+    else:
+        logp, lse = be.fold(m_all, s_all, z_sel, targets, inv_t, cfg.vocab_size)
     if logits is not None:
         cols = offset + jnp.arange(cfg.shard, dtype=jnp.int32)
         logits = jnp.where((cols < cfg.vocab_size)[None, :], logits, -jnp.inf)
-    return logp, lse, logits
+    return logp, lse, logits, entropy
 
 
 def tp_partials_and_fold(
@@ -210,6 +228,7 @@ def tp_partials_and_fold(
     backend: str = "auto",
     tuning: dict | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ):
     """Non-differentiable TP forward for use inside the caller's `jax.shard_map`.
 
@@ -221,7 +240,8 @@ def tp_partials_and_fold(
     `lax.axis_index(axis_name)`), a traced int scalar, or a static int (only
     meaningful where the program is not shared by several TP ranks, e.g. TP=1).
     Returns (logp [N], lse [N], logits [N, V_pad/tp] | None); logp/lse are
-    replicated over `axis_name`.
+    replicated over `axis_name`. With return_entropy=True a fourth element, the
+    entropy [N] (replicated), follows.
     """
     cfg, offset = _local_config(
         hidden,
@@ -234,10 +254,12 @@ def tp_partials_and_fold(
         backend,
         tuning,
         weight_layout,
+        return_entropy,
     )
-    return _serve_local(
+    out = _serve_local(
         hidden, weight_shard, bias_shard, targets.astype(jnp.int32), inv_t.astype(jnp.float32), offset, cfg
     )
+    return out if cfg.return_entropy else out[:3]
 
 
 # --- differentiable core (custom_vjp, evaluated inside shard_map) ------------------
@@ -249,12 +271,34 @@ def _local_core(hidden, weight, bias, targets, inv_t, offset, cfg):
 
 
 def _local_core_fwd(hidden, weight, bias, targets, inv_t, offset, cfg):
+    (hidden, weight, bias, targets, inv_t, offset), perturbed = unwrap_primals(
+        hidden, weight, bias, targets, inv_t, offset
+    )
     out = _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg)
-    return out, (hidden, weight, bias, targets, inv_t, offset, out[1])
+    logp, lse, _, entropy = out
+    want_t = perturbed[4]  # the temperature gradient: keep logp (its presence says it is wanted)
+    return out, (hidden, weight, bias, targets, inv_t, offset, lse, entropy, logp if want_t else None)
 
 
-def _local_backward(cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset, lse, g_logp, g_lse, g_logits):
-    """This rank's (dh contribution, d weight shard, d bias shard) from the global lse."""
+def _local_backward(
+    cfg: TPConfig,
+    hidden,
+    weight,
+    bias,
+    targets,
+    inv_t,
+    offset,
+    lse,
+    g_logp,
+    g_lse,
+    g_logits,
+    entropy=None,
+    g_entropy=None,
+    row_sums=False,
+):
+    """This rank's (dh contribution, d weight shard, d bias shard) from the global lse
+    (and the global entropy); with row_sums, also this shard's (plp, var) row sums
+    (`grad.backward`), to be added over the TP ranks."""
     off = offset
     # grad.backward works on one weight in local column coordinates. The
     # target's onehot belongs to its owner shard only; every shard carries the
@@ -281,12 +325,45 @@ def _local_backward(cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset,
         g_logits,
         vocab_size=vocab_loc,
         weight_layout=cfg.weight_layout,
+        entropy=entropy,
+        g_entropy=g_entropy,
+        row_sums=row_sums,
     )
 
 
+def _tp_inv_t_cotangent(cfg: TPConfig, sums, inv_t, lse, logp, targets, g_logp, g_lse, entropy, g_entropy):
+    """The temperature's cotangent from the shards' row sums, added over TP in rank order."""
+    plp, var = (None if x is None else vma.ordered_sum(x, cfg.axis_name) for x in sums)
+    return grad_lib.inv_t_cotangent(
+        inv_t, lse, logp, targets, cfg.vocab_size, g_logp, g_lse, entropy, g_entropy, plp, var
+    )
+
+
+def _zeros_if_none(g, like):
+    return jnp.zeros_like(like) if g is None else g
+
+
 def _local_core_bwd(cfg, res, cts):
-    hidden, weight, bias, targets, inv_t, offset, lse = res
-    dh, dw, db = _local_backward(cfg, hidden, weight, bias, targets, inv_t, offset, lse, *cts)
+    hidden, weight, bias, targets, inv_t, offset, lse, entropy, logp = res
+    g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
+    want_t = logp is not None
+    out = _local_backward(
+        cfg,
+        hidden,
+        weight,
+        bias,
+        targets,
+        inv_t,
+        offset,
+        lse,
+        _zeros_if_none(g_logp, lse),
+        _zeros_if_none(g_lse, lse),
+        g_logits,
+        entropy,
+        g_entropy,
+        want_t,
+    )
+    dh, dw, db = out[:3]
     # hidden is replicated over the TP axis: its gradient is the sum of every
     # shard's contribution, added in ascending rank order on every rank.
     dh = vma.match_cotangent(vma.ordered_sum(dh, cfg.axis_name), hidden)
@@ -295,10 +372,14 @@ def _local_core_bwd(cfg, res, cts):
     # the weight is replicated on; otherwise they are left row-local.
     dw = vma.match_cotangent(dw, weight)
     db = vma.match_cotangent(db, bias)
-    return dh, dw, db, None, None, None
+    g_inv_t = None
+    if want_t:
+        g_inv_t = _tp_inv_t_cotangent(cfg, out[3], inv_t, lse, logp, targets, g_logp, g_lse, entropy, g_entropy)
+        g_inv_t = vma.match_cotangent(g_inv_t, inv_t)
+    return dh, dw, db, None, g_inv_t, None
 
 
-_local_core.defvjp(_local_core_fwd, _local_core_bwd)
+_local_core.defvjp(_local_core_fwd, _local_core_bwd, symbolic_zeros=True)
 
 
 def _axis_size(axis_name) -> int:
@@ -321,6 +402,7 @@ def _local_config(
     backend,
     tuning,
     weight_layout="vd",
+    return_entropy=False,
 ):
     C.check_no_overrides(tuning)
     v_axis = inputs.vocab_axis(weight_layout)
@@ -331,7 +413,7 @@ def _local_config(
     if weight.ndim != 2 or weight.shape[v_axis] != shard or weight.shape[1 - v_axis] != hidden.shape[-1]:
         want = f"[V_pad/tp = {padded_vocab_size}/{tp} = {shard}, D]" if v_axis == 0 else f"[D, V_pad/tp = {shard}]"
         raise ValueError(f"weight shard must have shape {want} (weight_layout={weight_layout!r}), got {weight.shape}")
-    be, fallback = backends.resolve(backend, hidden, weight, weight_layout)
+    be, fallback = backends.resolve(backend, hidden, weight, weight_layout, entropy=bool(return_entropy))
     backends.guard_strict(be, fallback)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs partials/fold")
@@ -358,6 +440,7 @@ def _local_config(
         static_offset=static_offset,
         tuning=inputs.tuning_key(tuning),
         weight_layout=weight_layout,
+        return_entropy=bool(return_entropy),
     )
     return cfg, offset
 
@@ -377,6 +460,7 @@ def linear_logp_local(
     backend: str = "auto",
     tuning: dict | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ) -> LogpOutput:
     """Differentiable per-rank `linear_logp` for use inside the caller's `jax.shard_map`.
 
@@ -387,7 +471,9 @@ def linear_logp_local(
     `lax.axis_index(axis_name) * V_pad/tp`. Returns LogpOutput(logp, lse,
     logits) with logp/lse [...] replicated over `axis_name` and logits
     [..., V_pad/tp] this rank's unscaled FP32 columns (-inf at columns >=
-    vocab_size). Call it inside `jax.shard_map` with jax's default
+    vocab_size), and with return_entropy=True the entropy [...] (replicated over
+    `axis_name`). Differentiable w.r.t. hidden, the weight and bias shards and the
+    temperature. Call it inside `jax.shard_map` with jax's default
     `check_vma=True` (the loop carries and cotangents carry the mesh axes: the
     weight shard's gradient comes back summed over the axes it is replicated
     on) or with `check_vma=False` (then sum it over the row axes yourself), and
@@ -413,12 +499,16 @@ def linear_logp_local(
         backend,
         tuning,
         weight_layout,
+        return_entropy,
     )
     t2 = inputs.narrow_targets(targets.reshape(n), cfg.vocab_size)
     inv_t = inputs.inv_temperature(temperature, n)
-    logp, lse, logits = _local_core(h2, weight_shard, bias, t2, inv_t, offset, cfg)
+    logp, lse, logits, entropy = _local_core(h2, weight_shard, bias, t2, inv_t, offset, cfg)
     return LogpOutput(
-        logp.reshape(lead), lse.reshape(lead), None if logits is None else logits.reshape(lead + (cfg.shard,))
+        logp.reshape(lead),
+        lse.reshape(lead),
+        None if logits is None else logits.reshape(lead + (cfg.shard,)),
+        entropy=None if entropy is None else entropy.reshape(lead),
     )
 
 
@@ -506,15 +596,22 @@ def _tp_forward(hidden, weight, bias, targets, inv_t, cfg: TPConfig, mesh, row_e
     def body(h, w, t, it, *b):
         lead = h.shape[:-1]
         offset = (lax.axis_index(cfg.axis_name) * cfg.shard).astype(jnp.int32)
-        logp, lse, logits = _serve_local(
+        logp, lse, logits, entropy = _serve_local(
             _flat_rows(h, len(lead)), w, b[0] if b else None, t.reshape(-1), it.reshape(-1), offset, cfg
         )
         if logits is not None:
             logits = logits.reshape(lead + (cfg.shard,))
-        return logp.reshape(lead), lse.reshape(lead), logits
+        if entropy is not None:
+            entropy = entropy.reshape(lead)
+        return logp.reshape(lead), lse.reshape(lead), logits, entropy
 
     in_specs = (sp["hidden"], sp["weight"], sp["rows"], sp["rows"]) + ((sp["bias"],) if has_bias else ())
-    out_specs = (sp["rows"], sp["rows"], sp["logits"] if cfg.return_logits else None)
+    out_specs = (
+        sp["rows"],
+        sp["rows"],
+        sp["logits"] if cfg.return_logits else None,
+        sp["rows"] if cfg.return_entropy else None,
+    )
     # check_vma=False: backends need not carry manual-axis types; logp/lse are
     # replicated over the TP axis by construction (same gathered partials, same fold).
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -522,33 +619,46 @@ def _tp_forward(hidden, weight, bias, targets, inv_t, cfg: TPConfig, mesh, row_e
 
 
 def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
-    hidden, weight, bias, targets, inv_t, lse = res
-    g_logp, g_lse, g_logits = cts
+    """(dh, dW, db, d inv_t | None) of the global TP entry, one shard_map."""
+    hidden, weight, bias, targets, inv_t, lse, entropy, logp = res
+    g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
+    g_logp_nz, g_lse_nz = g_logp, g_lse
+    g_logp, g_lse = _zeros_if_none(g_logp, lse), _zeros_if_none(g_lse, lse)
     sp = _specs(cfg, row_entries)
     has_bias = bias is not None
     has_gl = g_logits is not None
+    want_t = logp is not None
+    # Optional row vectors, in this order: the forward's entropy, its cotangent, logp.
+    opt = [("entropy", entropy), ("g_entropy", g_entropy), ("logp", logp if want_t else None)]
+    opt = [(k, v) for k, v in opt if v is not None]
     row_mesh_axes = tuple(_mesh_axes_of(row_entries))
 
     def body(h, w, t, it, lse_rows, gp, gs, *rest):
         rest = list(rest)
         gl = rest.pop(0) if has_gl else None
         b = rest.pop(0) if has_bias else None
+        rows = {k: rest.pop(0).reshape(-1) for k, _ in opt}
         lead = h.shape[:-1]
         n_lead = len(lead)
         offset = (lax.axis_index(cfg.axis_name) * cfg.shard).astype(jnp.int32)
-        dh, dw, db = _local_backward(
+        t_flat, it_flat, lse_flat = t.reshape(-1), it.reshape(-1), lse_rows.reshape(-1)
+        out = _local_backward(
             cfg,
             _flat_rows(h, n_lead),
             w,
             b,
-            t.reshape(-1),
-            it.reshape(-1),
+            t_flat,
+            it_flat,
             offset,
-            lse_rows.reshape(-1),
+            lse_flat,
             gp.reshape(-1),
             gs.reshape(-1),
             None if gl is None else _flat_rows(gl, n_lead),
+            rows.get("entropy"),
+            rows.get("g_entropy"),
+            want_t,
         )
+        dh, dw, db = out[:3]
         # hidden is replicated over TP: add the shards' contributions in
         # ascending rank order (identical bytes on every rank).
         dh = vma.ordered_sum(dh, cfg.axis_name).reshape(h.shape)
@@ -557,7 +667,22 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
         if row_mesh_axes:
             dw = lax.psum(dw, row_mesh_axes)
             db = None if db is None else lax.psum(db, row_mesh_axes)
-        return (dh, dw) + ((db,) if has_bias else ())
+        outs = (dh, dw) + ((db,) if has_bias else ())
+        if want_t:
+            g_it = _tp_inv_t_cotangent(
+                cfg,
+                out[3],
+                it_flat,
+                lse_flat,
+                rows["logp"],
+                t_flat,
+                None if g_logp_nz is None else gp.reshape(-1),
+                None if g_lse_nz is None else gs.reshape(-1),
+                rows.get("entropy"),
+                rows.get("g_entropy"),
+            )
+            outs += (g_it.reshape(lead),)
+        return outs
 
     in_specs = (sp["hidden"], sp["weight"], sp["rows"], sp["rows"], sp["rows"], sp["rows"], sp["rows"])
     args = [hidden, weight, targets, inv_t, lse, g_logp, g_lse]
@@ -567,12 +692,16 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
     if has_bias:
         in_specs += (sp["bias"],)
         args.append(bias)
-    out_specs = (sp["hidden"], sp["weight"]) + ((sp["bias"],) if has_bias else ())
+    for _, v in opt:
+        in_specs += (sp["rows"],)
+        args.append(v)
+    out_specs = (sp["hidden"], sp["weight"]) + ((sp["bias"],) if has_bias else ()) + ((sp["rows"],) if want_t else ())
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    outs = f(*args)
-    dh, dw = outs[0], outs[1]
-    db = outs[2] if has_bias else None
-    return dh, dw, db
+    outs = list(f(*args))
+    dh, dw = outs.pop(0), outs.pop(0)
+    db = outs.pop(0) if has_bias else None
+    g_inv_t = outs.pop(0) if want_t else None
+    return dh, dw, db, g_inv_t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -581,16 +710,19 @@ def _tp_core(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries):
 
 
 def _tp_core_fwd(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries):
+    (hidden, weight, bias, targets, inv_t), perturbed = unwrap_primals(hidden, weight, bias, targets, inv_t)
     out = _tp_forward(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries)
-    return out, (hidden, weight, bias, targets, inv_t, out[1])
+    logp, lse, _, entropy = out
+    want_t = perturbed[4]
+    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None)
 
 
 def _tp_core_bwd(cfg, mesh, row_entries, res, cts):
-    dh, dw, db = _tp_backward(cfg, mesh, row_entries, res, cts)
-    return dh, dw, db, None, None
+    dh, dw, db, g_inv_t = _tp_backward(cfg, mesh, row_entries, res, cts)
+    return dh, dw, db, None, g_inv_t
 
 
-_tp_core.defvjp(_tp_core_fwd, _tp_core_bwd)
+_tp_core.defvjp(_tp_core_fwd, _tp_core_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "row_entries"))
@@ -619,6 +751,7 @@ def linear_logp_tp(
     checked: bool | None = None,
     tuning: dict | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ) -> LogpOutput:
     """Tensor/context-parallel `linear_logp` over `mesh`.
 
@@ -635,9 +768,10 @@ def linear_logp_tp(
     Returns LogpOutput(logp [...], lse [...], logits [..., V_pad] | None) as
     global arrays: logp/lse sharded like targets (replicated over tp), logits
     sharded over `tp_axis` on the last axis, unscaled FP32, with columns >=
-    vocab_size set to -inf. logp/lse bytes equal single-device
+    vocab_size set to -inf, and with return_entropy=True the entropy [...]
+    (sharded like logp). logp/lse/entropy bytes equal single-device
     `linear_logp(..., padded_vocab_size=V_pad)` for every aligned TP degree and
-    row sharding. Differentiable w.r.t. hidden, weight and bias.
+    row sharding. Differentiable w.r.t. hidden, weight, bias and the temperature.
     """
     C.check_no_overrides(tuning)
     if tp_axis not in mesh.shape:
@@ -674,14 +808,16 @@ def linear_logp_tp(
 
     n = math.prod(lead)
     h_spec = jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype)
-    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout)
+    return_entropy = bool(return_entropy)
+    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout, entropy=return_entropy)
     if not be.contract_bearing:
         raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs its partials/fold")
     backends.guard_strict(be, fallback)
-    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout)
+    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout, return_entropy)
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
-        return LogpOutput(empty, empty, jnp.zeros(lead + (padded,), jnp.float32) if return_logits else None, prov)
+        logits = jnp.zeros(lead + (padded,), jnp.float32) if return_logits else None
+        return LogpOutput(empty, empty, logits, prov, empty if return_entropy else None)
     cfg = TPConfig(
         backend=be.name,
         axis_name=tp_axis,
@@ -692,6 +828,7 @@ def linear_logp_tp(
         return_logits=bool(return_logits),
         tuning=inputs.tuning_key(tuning),
         weight_layout=weight_layout,
+        return_entropy=return_entropy,
     )
     inv_t = inputs.inv_temperature(temperature, n).reshape(lead)
     t = inputs.narrow_targets(targets, vocab)
@@ -702,5 +839,5 @@ def linear_logp_tp(
         bias = None if bias is None else put(bias, P(tp_axis))
         t = put(t, P(*row_entries))
         inv_t = put(inv_t, P(*row_entries))
-    logp, lse, logits = _tp_impl(hidden, weight, bias, t, inv_t, cfg=cfg, mesh=mesh, row_entries=row_entries)
-    return LogpOutput(logp, lse, logits, prov)
+    logp, lse, logits, entropy = _tp_impl(hidden, weight, bias, t, inv_t, cfg=cfg, mesh=mesh, row_entries=row_entries)
+    return LogpOutput(logp, lse, logits, prov, entropy)

@@ -77,6 +77,16 @@ def run() -> dict:
         except Exception:
             res[name] = {"error": traceback.format_exc()[-3000:]}
 
+    # The entropy and the per-row temperature in the loss (rows sharded per shard_map under
+    # Explicit axes: the entropy comes back sharded like logp, the temperature's gradient too).
+    def loss_e(h, w, b, t, temp):
+        out = dl.linear_logp(h, w, t, bias=b, temperature=temp, return_entropy=True, **kw)
+        return jnp.sum(jnp.nan_to_num(out.logp) + 0.25 * out.lse + 0.5 * out.entropy), out
+
+    grad_e = jax.grad(loss_e, argnums=(0, 1, 2, 4), has_aux=True)
+    ge_ref, oe_ref = jax.jit(grad_e)(h, w, b, t, temp)
+    res["entropy_scale"] = max(float(np.max(np.abs(np.asarray(g)))) for g in ge_ref)
+
     for kind in ("explicit", "auto"):
         types = (AxisType.Explicit,) * 2 if kind == "explicit" else (AxisType.Auto,) * 2
         mesh = jax.make_mesh((4, 2), ("dp", "sp"), axis_types=types)
@@ -85,6 +95,16 @@ def run() -> dict:
         args = (put(h, "dp", "sp", None), put(w), put(b), rows(t), rows(temp))
         # plain jit on sharded inputs (rows over two data axes, [B, S] leading dims)
         record(f"{kind}_jit_grad", lambda: jax.jit(grad_fn)(*args))
+        try:
+            g, o = jax.jit(grad_e)(*args)
+            res[f"{kind}_entropy_temperature_grad"] = {
+                "logp_rows_differ": _bits_rows(o.logp, oe_ref.logp),
+                "lse_rows_differ": _bits_rows(o.lse, oe_ref.lse),
+                "entropy_rows_differ": _bits_rows(o.entropy, oe_ref.entropy),
+                "grad_max_abs_diff": max(_maxdiff(a, r) for a, r in zip(g, ge_ref)),
+            }
+        except Exception:
+            res[f"{kind}_entropy_temperature_grad"] = {"error": traceback.format_exc()[-3000:]}
         # the same under jax.set_mesh
         with jax.set_mesh(mesh):
             record(f"{kind}_set_mesh_grad", lambda: jax.jit(grad_fn)(*args))

@@ -108,7 +108,7 @@ def _mesh(tp: int, rows: int):
     return Mesh(devs, ("dp", "tp"))
 
 
-def _single(case, return_logits=True):
+def _single(case, return_logits=True, return_entropy=True):
     from detlogp_jax import linear_logp
 
     return linear_logp(
@@ -121,10 +121,11 @@ def _single(case, return_logits=True):
         padded_vocab_size=case["vpad"],
         backend="reference",
         return_logits=return_logits,
+        return_entropy=return_entropy,
     )
 
 
-def _tp(case, tp, rows, *, return_logits=True, weight=None, bias="same"):
+def _tp(case, tp, rows, *, return_logits=True, weight=None, bias="same", return_entropy=True):
     from sharding import linear_logp_tp
 
     return linear_logp_tp(
@@ -137,6 +138,7 @@ def _tp(case, tp, rows, *, return_logits=True, weight=None, bias="same"):
         temperature=case["temp"],
         vocab_size=case["vocab"],
         return_logits=return_logits,
+        return_entropy=return_entropy,
         backend="reference",
     )
 
@@ -146,6 +148,9 @@ def _compare(out, ref, vocab):
         logp_rows_differ=_rows_differ(out.logp, ref.logp),
         lse_rows_differ=_rows_differ(out.lse, ref.lse),
     )
+    if out.entropy is not None:
+        r["entropy_rows_differ"] = _rows_differ(out.entropy, ref.entropy)
+        r["entropy_nonnegative"] = bool((np.asarray(out.entropy) >= 0).all())
     if out.logits is not None:
         lg = np.asarray(out.logits)
         r["logits_rows_differ"] = _rows_differ(lg[:, :vocab], ref.logits)
@@ -229,8 +234,10 @@ def suite_qwen():
     bs = np.split(case["b"], tp)
     out["shard_list"] = _compare(_tp(case, tp, 2, weight=ws, bias=bs), ref, case["vocab"])
 
-    # return_logits=False gives the same bytes.
+    # return_logits=False gives the same bytes; so does return_entropy=False (and it has none).
     out["no_logits"] = _compare(_tp(case, 2, 2, return_logits=False), ref, case["vocab"])
+    no_ent = _tp(case, 4, 2, return_entropy=False)
+    out["no_entropy"] = dict(_compare(no_ent, ref, case["vocab"]), entropy_is_none=no_ent.entropy is None)
 
     # Negative control on the same logits (the reference's exact logits, so only the merge differs).
     z = np.full((case["h"].shape[0], case["vpad"]), -np.inf, np.float32)
@@ -299,6 +306,41 @@ def suite_qwen():
                 "repeat_bitwise": bool((_bits(a) == _bits(a2)).all()),
             }
             for nm, a, a2, r in zip(("hidden", "weight", "bias"), g, g2, g_ref)
+        }
+    # The entropy and the temperature (per-row T): a mixed loss vs single device.
+    c4 = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    temp_rows = jnp.asarray(np.asarray(temp, np.float32))
+
+    def mixed(o):
+        return jnp.sum(jnp.nan_to_num(o.logp) * c1) + jnp.sum(o.lse * c2) + jnp.sum(o.entropy * c4)
+
+    kw = dict(bias=None, vocab_size=vocab, backend="reference", return_entropy=True)
+    args4 = (jnp.asarray(case["h"]), jnp.asarray(case["w"]), jnp.asarray(case["b"]), temp_rows)
+    g_ref = [
+        np.asarray(g)
+        for g in jax.grad(
+            lambda h, w, b, T: mixed(
+                linear_logp(h, w, t, **dict(kw, bias=b, temperature=T, padded_vocab_size=case["vpad"]))
+            ),
+            argnums=(0, 1, 2, 3),
+        )(*args4)
+    ]
+    for tp, rows in [(8, 1), (2, 2)]:
+        mesh = _mesh(tp, rows)
+
+        def loss_e(h, w, b, T):
+            return mixed(linear_logp_tp(h, w, t, mesh=mesh, row_axes=("dp",), **dict(kw, bias=b, temperature=T)))
+
+        g = [np.asarray(x) for x in jax.grad(loss_e, argnums=(0, 1, 2, 3))(*args4)]
+        g2 = [np.asarray(x) for x in jax.grad(loss_e, argnums=(0, 1, 2, 3))(*args4)]
+        grads[f"tp{tp}_rows{rows}_entropy_temperature"] = {
+            nm: {
+                "max_abs_diff": float(np.max(np.abs(a.astype(np.float64) - r))),
+                "scale": float(np.max(np.abs(r))),
+                "finite": bool(np.isfinite(a).all()),
+                "repeat_bitwise": bool((_bits(a) == _bits(a2)).all()),
+            }
+            for nm, a, a2, r in zip(("hidden", "weight", "bias", "temperature"), g, g2, g_ref)
         }
     out["grads"] = grads
     return out
@@ -391,20 +433,48 @@ def suite_other():
         fwd = tp_partials_and_fold(
             hl, wl, None, tl, inv_t, axis_name="tp", vocab_size=vocab, padded_vocab_size=vpad, backend="reference"
         )[0]
-        return logp, fwd, dh, dw
+        ent_pf = tp_partials_and_fold(
+            hl,
+            wl,
+            None,
+            tl,
+            inv_t,
+            axis_name="tp",
+            vocab_size=vocab,
+            padded_vocab_size=vpad,
+            backend="reference",
+            return_entropy=True,
+        )[3]
+        ent_local = linear_logp_local(
+            hl,
+            wl,
+            tl,
+            axis_name="tp",
+            temperature=temp,
+            vocab_size=vocab,
+            padded_vocab_size=vpad,
+            backend="reference",
+            return_entropy=True,
+        ).entropy
+        return logp, fwd, dh, dw, ent_pf, ent_local
 
     f = jax.jit(
         jax.shard_map(
             body_vma,
             mesh=mesh,
             in_specs=(P("dp", None), P("tp", None), P("dp")),
-            out_specs=(P("dp"), P("dp"), P("dp", None), P("tp", None)),
+            out_specs=(P("dp"), P("dp"), P("dp", None), P("tp", None), P("dp"), P("dp")),
         )
     )
-    logp, fwd, dh, dw = f(h, w, t)
+    logp, fwd, dh, dw, ent_pf, ent_local = f(h, w, t)
+    ref_ent = linear_logp(
+        h, w, t, temperature=temp, vocab_size=vocab, padded_vocab_size=vpad, backend="reference", return_entropy=True
+    ).entropy
     out["local_api_vma"] = {
         "logp_rows_differ": _rows_differ(logp, ref.logp),
         "partials_fold_rows_differ": _rows_differ(fwd, ref.logp),
+        "partials_fold_entropy_rows_differ": _rows_differ(ent_pf, ref_ent),
+        "local_entropy_rows_differ": _rows_differ(ent_local, ref_ent),
         "dh_max_abs_diff": float(np.max(np.abs(np.asarray(dh, np.float64) - np.asarray(g_ref[0])))),
         "dw_max_abs_diff": float(np.max(np.abs(np.asarray(dw, np.float64) - np.asarray(g_ref[1])))),
         "scale": out["local_api"]["scale"],

@@ -48,6 +48,29 @@ def test_head_routes_to_linear_logp_bitwise():
     assert_bitwise_equal(jitted, ref.logp, "jit logp")
 
 
+def test_head_returns_the_ops_entropy_and_its_gradient():
+    head = LogpHead(D, V, use_bias=True, backend="reference", rngs=nnx.Rngs(0))
+    h, t = _data()
+    out = head(h, t, temperature=0.9, return_entropy=True)
+    ref = linear_logp(
+        h,
+        head.kernel[...],
+        t,
+        bias=head.bias[...],
+        temperature=0.9,
+        vocab_size=V,
+        padded_vocab_size=512,
+        backend="reference",
+        return_entropy=True,
+    )
+    assert_bitwise_equal(out.entropy, ref.entropy, "entropy")
+    assert_bitwise_equal(out.logp, head(h, t, temperature=0.9).logp, "logp with and without the entropy")
+    assert head(h, t).entropy is None
+    # an entropy bonus trains through nnx.grad
+    g = nnx.grad(lambda m: m.loss(h, t) - 0.01 * jnp.mean(m(h, t, return_entropy=True).entropy))(head)
+    assert np.isfinite(np.asarray(g.weight[...])).all() and float(jnp.abs(g.weight[...]).max()) > 0
+
+
 def test_padded_weight_same_bytes():
     a = LogpHead(D, V, backend="reference", rngs=nnx.Rngs(0))
     b = LogpHead(D, V, pad_weight=True, backend="reference", rngs=nnx.Rngs(0))

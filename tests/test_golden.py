@@ -43,6 +43,13 @@ def test_golden_replay_matches_records():
     results = out["results"]
     assert not [n for n, r in results.items() if r.startswith("FAIL")], results
     assert any(r == "pass" for r in results.values()), results
+    e_results = out["entropy_results"]  # the entropy records, under their own key
+    if backends.get(backend).entropy:
+        assert out["entropy_key"] in golden.load(), out["entropy_key"]
+        ran = {n for n, r in results.items() if not r.startswith("skipped")}
+        assert set(e_results) == ran and all(r == "pass" for r in e_results.values()), e_results
+    else:
+        assert e_results == {}
 
 
 def test_golden_inputs_are_pinned():
@@ -123,7 +130,40 @@ def test_cli_record_needs_out_and_keeps_bytes(tmp_path, monkeypatch, capsys):
         )
         == 0
     )
-    assert json.loads(out2.read_text()) == {_cpu_key(): {"decode_row": golden.load()[_cpu_key()]["decode_row"]}}
+    ekey = golden.entropy_key("reference")
+    assert json.loads(out2.read_text()) == {
+        _cpu_key(): {"decode_row": golden.load()[_cpu_key()]["decode_row"]},
+        ekey: {"decode_row": golden.load()[ekey]["decode_row"]},
+    }
+
+
+@pytestmark_cpu
+def test_entropy_records_are_their_own_key(tmp_path, capsys):
+    """The entropy records (linear-logp-entropy-v1) sit under their own key: the contract
+    records are the ones recorded before the entropy existed (an older replay reads only
+    those), a tampered entropy record fails the replay, a missing one is not a pass."""
+    db = golden.load()
+    ekey = golden.entropy_key("reference")
+    assert ekey.split("/")[3] == "linear-logp-entropy-v1" and set(db[ekey]) == {
+        "small_odd",
+        "decode_row",
+        "unpadded_weight",
+    }
+    assert all(set(r) == {"entropy_sha256"} for r in db[ekey].values())
+    assert all(set(r) == {"logp_sha256", "lse_sha256"} for r in db[_cpu_key()].values())
+    assert db[_cpu_key()]["small_odd"]["logp_sha256"].startswith("63a2ed7055530a8b")  # recorded before the entropy
+    rec = db[ekey]["decode_row"]
+    rec["entropy_sha256"] = ("0" if rec["entropy_sha256"][0] != "0" else "1") + rec["entropy_sha256"][1:]
+    tampered = tmp_path / "tampered.json"
+    golden.dump(db, tampered)
+    assert golden.main(["--fingerprints", str(tampered), "--backend", "reference", "--cases", "decode_row"]) == 1
+    out = capsys.readouterr().out
+    assert "golden replay: 1 pass, 0 fail, 0 new" in out and "entropy replay" in out and "0 pass, 1 fail" in out
+    no_entropy = {k: v for k, v in golden.load().items() if k != ekey}
+    path = tmp_path / "no_entropy.json"
+    golden.dump(no_entropy, path)
+    assert golden.main(["--fingerprints", str(path), "--backend", "reference", "--cases", "decode_row"]) == 2
+    assert "without an entropy record" in capsys.readouterr().err
 
 
 def _tracked_tree(dst):

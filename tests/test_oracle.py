@@ -224,3 +224,42 @@ def test_reciprocal_rn_is_ieee_division_bitwise():
         np.asarray(numerics.inv_temperature(jnp.asarray(temp), 4096)).view(np.uint32),
         O.inv_temperature(temp, 4096).view(np.uint32),
     )
+
+
+def test_entropy_statistic_is_the_rescaled_sum_and_leaves_m_s_alone():
+    """split_partials(return_entropy=True): m and S are the bytes of the plain call; A is
+    sum_c e^(y_c - m) (y_c - m) of each split (float64 of the same y, relative 1e-5) through
+    maxima that move within a split, A <= 0; the fold gives log S - A / S of all lanes."""
+    rng = np.random.default_rng(7)
+    v_pad, vocab = 19200, 19000  # 264 splits of 1-2 tiles
+    z = (rng.standard_normal((5, v_pad)) * 3).astype(F32)
+    z[0] += np.linspace(0, 30, v_pad, dtype=F32)  # the max moves in every tile
+    inv_t = O.inv_temperature(rng.uniform(0.5, 1.5, 5).astype(F32), 5)
+    m, s = O.split_partials(z, vocab, v_pad, inv_t)
+    m2, s2, a = O.split_partials(z, vocab, v_pad, inv_t, return_entropy=True)
+    assert (bits(m) == bits(m2)).all() and (bits(s) == bits(s2)).all() and (a <= 0).all()
+    plan = C.split_bounds(v_pad)
+    y = O.f_mul(z, inv_t[:, None]).astype(np.float64)
+    y[:, vocab:] = -np.inf
+    for j in (0, 1, 100, plan.n_split - 10):
+        cols = slice(plan.starts[j] * C.TILE_V, plan.ends[j] * C.TILE_V)
+        d = y[:, cols] - m[:, j : j + 1].astype(np.float64)
+        want = np.where(np.isfinite(d), np.exp(d) * np.where(np.isfinite(d), d, 0), 0).sum(1)
+        np.testing.assert_allclose(a[:, j], want, rtol=1e-5, atol=1e-30)
+    d = y[:, :vocab] - y[:, :vocab].max(1, keepdims=True)
+    p = np.exp(d)
+    want_h = np.log(p.sum(1)) - (p * d).sum(1) / p.sum(1)
+    np.testing.assert_allclose(O.fold_entropy(m2, s2, a), want_h, rtol=2e-5)
+
+
+def test_entropy_rescale_rule():
+    """resc(A, S, m, m', w): A when the max does not move, +0 for a zero weight (m = -inf:
+    no NaN from -inf * 0), else fl(w * fl(A + fl(fl(m - m') * S)))."""
+    a, s = np.array([-3.0, 0.0, -3.0, -3.0], F32), np.array([2.0, 0.0, 2.0, 2.0], F32)
+    m = np.array([1.0, -np.inf, 1.0, -100.0], F32)
+    m_new = np.array([1.0, 5.0, 1.5, 5.0], F32)
+    w = np.where(m == m_new, F32(1), O.pexp(O.f_sub(m, m_new))).astype(F32)
+    got = O.rescale_a(a, s, m, m_new, w)
+    assert got[0] == F32(-3.0) and bits(got[1]) == 0 and bits(got[3]) == 0  # w = pexp(-105) = +0
+    want = O.f_mul(w[2], O.f_add(a[2], O.f_mul(O.f_sub(m[2], m_new[2]), s[2])))
+    assert bits(got[2]) == bits(want) and abs(float(got[2]) - np.exp(-0.5) * (-3.0 - 0.5 * 2.0)) < 1e-6

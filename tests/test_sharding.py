@@ -120,6 +120,9 @@ def other():
 def _assert_identical(r, what):
     assert r["logp_rows_differ"] == 0, f"{what}: logp bytes differ in {r['logp_rows_differ']} rows"
     assert r["lse_rows_differ"] == 0, f"{what}: lse bytes differ in {r['lse_rows_differ']} rows"
+    if "entropy_rows_differ" in r:
+        assert r["entropy_rows_differ"] == 0, f"{what}: entropy bytes differ in {r['entropy_rows_differ']} rows"
+        assert r["entropy_nonnegative"], f"{what}: negative entropy"
     if "logits_rows_differ" in r:
         assert r["logits_rows_differ"] == 0, f"{what}: concatenated logits shards differ from single device"
         assert r["padded_logits_all_neginf"], f"{what}: padded logits columns are not -inf"
@@ -127,6 +130,7 @@ def _assert_identical(r, what):
 
 def _assert_sweep(res, expected_configs):
     assert set(res["configs"]) == {f"tp{t}_rows{r}" for t, r in expected_configs}
+    assert all("entropy_rows_differ" in r for r in res["configs"].values())  # the entropy is swept too
     sem_ref = res["ref_semantics"]
     assert sem_ref["n_padded_target_rows"] >= 1 and sem_ref["n_ignore_rows"] >= 1
     for name, r in res["configs"].items():
@@ -168,6 +172,12 @@ def test_return_logits_false_same_bytes(qwen):
     _assert_identical(qwen["no_logits"], "return_logits=False")
 
 
+def test_return_entropy_false_same_bytes(qwen):
+    r = qwen["no_entropy"]
+    assert r["entropy_is_none"] and "entropy_rows_differ" not in r
+    _assert_identical(r, "return_entropy=False")
+
+
 def test_negative_control_naive_merge_is_not_tp_invariant(qwen):
     """psum/logaddexp of per-shard logsumexps changes bytes with TP; our gather + fold does not."""
     nc = qwen["negative_control"]
@@ -176,6 +186,9 @@ def test_negative_control_naive_merge_is_not_tp_invariant(qwen):
 
 
 def test_gradients_match_single_device(qwen):
+    """logp/lse/logits cotangents at TP=4 x 2 row shards; the entropy and the per-row
+    temperature (a mixed logp + lse + entropy loss) at TP=8 and TP=2 x 2."""
+    assert {"tp4_rows2", "tp8_rows1_entropy_temperature", "tp2_rows2_entropy_temperature"} <= set(qwen["grads"])
     for cfg, grads in qwen["grads"].items():
         for name, g in grads.items():
             assert g["finite"], f"{cfg} d{name} not finite"
@@ -195,6 +208,7 @@ def test_local_api_inside_vma_typed_shard_map(other):
     """check_vma=True (the default): forward bytes and gradients as with check_vma=False."""
     r = other["local_api_vma"]
     assert r["logp_rows_differ"] == 0 and r["partials_fold_rows_differ"] == 0, r
+    assert r["partials_fold_entropy_rows_differ"] == 0 and r["local_entropy_rows_differ"] == 0, r
     tol = 1e-5 * max(1.0, r["scale"])
     assert r["dh_max_abs_diff"] <= tol and r["dw_max_abs_diff"] <= tol, r
 

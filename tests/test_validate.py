@@ -79,6 +79,28 @@ def test_replay_fingerprints_provenance(report):
     assert all(c["status"] in ("PASS", "INFO", "DRIFT (body)") for c in report["claims"])
 
 
+def test_entropy_rows_exact(report):
+    """The reference backend produces the entropy: the trainer's entropy bytes of the packed,
+    shuffled rows equal the rollout's (one call with the logp there, a second call here)."""
+    assert report["config"]["entropy"] is True
+    a, b = report["entropy_rows"]
+    assert a["rows"] == 12 and a["mismatch_count"] == 0 and a["max_abs_diff"] == 0.0 and a["nonfinite"] == 0
+    claim = next(c for c in report["claims"] if c["key"] == "entropy")
+    assert claim["status"] == "PASS" and "entropy rows exact (12/12 bit-equal)" in report["verdict"]
+    prov = report["provenance"]
+    assert prov["trainer_entropy"]["entropy_id"] == "linear-logp-entropy-v1"
+    assert prov["rollout_logp"]["entropy_id"] == "linear-logp-entropy-v1" and prov["trainer"]["entropy_id"] is None
+    if b["mismatch_count"]:  # end to end: only the body can move the entropy
+        assert report["hidden_state_drift"]["rows_differ"] > 0
+
+
+def test_entropy_off_where_the_backend_has_none(monkeypatch):
+    monkeypatch.setattr(parity, "hopper_available", lambda: True)
+    assert resolve_config(ValidateConfig(out_dir=None)).entropy is False  # pallas_sm90: not yet
+    assert resolve_config(ValidateConfig(backend="reference", out_dir=None)).entropy is True
+    assert resolve_config(ValidateConfig(backend="reference", entropy=False, out_dir=None)).entropy is False
+
+
 def test_end_to_end_row_present(report):
     e2e = _row(report, "contract", "(b)")
     assert e2e["rows"] == 12

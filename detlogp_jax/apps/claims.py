@@ -10,7 +10,9 @@ Claims (in this order, each with a short `key`):
 5. `replay`: the sampler's processed logprob replays bit-exactly from the op's logits;
 6. `end_to_end`: row (b); PASS, or "DRIFT (body)" (informational) when only
    the body drifts, i.e. row (a) is exact; "DRIFT" (a failure) otherwise;
-7. `baseline`: the XLA materialized lane's rows (INFO).
+7. `baseline`: the XLA materialized lane's rows (INFO);
+8. `entropy`: the trainer's entropy bytes of the packed rows (a) equal the rollout's
+   (PASS/FAIL; N/A when the backend does not produce the entropy or it was not asked).
 
 `report["ok"]` is True when no PASS/FAIL claim failed. These modules take the
 run's stage results by duck typing (no import of `parity`, which imports this).
@@ -26,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from detlogp_jax import backends
-from detlogp_jax.apps.metrics import compare_logp, per_step
+from detlogp_jax.apps.metrics import compare_logp, compare_values, per_step
 
-__all__ = ["build_rows", "build_claims", "build_report", "verdict"]
+__all__ = ["build_rows", "build_entropy_rows", "build_claims", "build_report", "verdict"]
 
 OP_CHECK = "(a) operator: rollout hidden states"
 E2E_CHECK = "(b) end to end: trainer's own forward"
@@ -62,7 +64,38 @@ def build_rows(rollout, scores, provenance: dict) -> tuple[list[dict], dict[str,
     return rows, steps
 
 
-def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, strict) -> list[dict]:
+def build_entropy_rows(rollout, scores) -> list[dict]:
+    """The entropy's byte comparisons, rollout vs trainer, for (a) and (b) ([] when not compared)."""
+    if getattr(rollout, "entropy", None) is None or getattr(scores, "entropy_a", None) is None:
+        return []
+    return [
+        dict(check=OP_CHECK, **compare_values(rollout.entropy, scores.entropy_a)),
+        dict(check=E2E_CHECK, **compare_values(rollout.entropy, scores.entropy_b)),
+    ]
+
+
+def _entropy_claim(entropy_rows, provenance) -> dict:
+    claim = "Entropy: trainer entropy bytes == rollout entropy bytes for every sampled row (packed, shuffled)"
+    if not entropy_rows:
+        backend = provenance.get("trainer", {}).get("backend")
+        return dict(
+            key="entropy",
+            claim=claim,
+            status="N/A (not compared)",
+            evidence=f"the entropy was not asked for ({backend} does not produce it, or entropy=False)",
+        )
+    a, b = entropy_rows
+    exact = a["mismatch_count"] == 0 and a["nonfinite"] == 0
+    return dict(
+        key="entropy",
+        claim=claim,
+        status=_status(exact),
+        evidence=f"(a) {a['mismatch_count']}/{a['rows']} rows differ (max_abs_diff={a['max_abs_diff']:.3g}); "
+        f"(b) {b['mismatch_count']}/{b['rows']} (max_abs_diff={b['max_abs_diff']:.3g})",
+    )
+
+
+def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, strict, entropy_rows=()) -> list[dict]:
     """The claims table (see the module docstring); each claim has key, claim, status, evidence."""
     side_r, side_t = provenance.get("rollout_logp", {}), provenance.get("trainer", {})
     same_backend = (
@@ -129,6 +162,7 @@ def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, stri
                 f"end to end {xb['mismatch_count']}/{xb['rows']} (max|K3|={xb['max_abs_k3']:.3g})",
             )
         )
+    claims.append(_entropy_claim(list(entropy_rows), provenance))
     return claims
 
 
@@ -148,6 +182,9 @@ def verdict(report: dict[str, Any]) -> str:
         "no_fallback": "no fallback" + (" (strict)" if report["config"]["strict"] else ""),
         "same_backend": f"same backend both sides ({prov.get('backend')}, {prov.get('contract_id')})",
     }
+    if by.get("entropy", {}).get("status") in ("PASS", "FAIL"):
+        ea = report["entropy_rows"][0]
+        parts["entropy"] = f"entropy rows exact ({ea['rows'] - ea['mismatch_count']}/{ea['rows']} bit-equal)"
     passed = [parts[k] for k in parts if by[k]["status"] == "PASS"]
     failed = [k for k in parts if by[k]["status"] == "FAIL"]
     if by["operator"]["status"].startswith("N/A"):
@@ -202,7 +239,8 @@ def build_report(
     }
     replay = {"bit_exact": replay_exact, "rows": N}
     hidden = {"rows_differ": scores.hidden_rows_differ, "rows": N, "max_abs_diff": scores.hidden_max_abs_diff}
-    claims = build_claims(rows, provs, fallbacks, fingerprints, replay, hidden, cfg.strict)
+    entropy_rows = build_entropy_rows(rollout, scores)
+    claims = build_claims(rows, provs, fallbacks, fingerprints, replay, hidden, cfg.strict, entropy_rows)
     info = backends.platform_info()
     report = {
         "tool": "detlogp_jax.validate",
@@ -233,6 +271,7 @@ def build_report(
         "fallbacks": fallbacks,
         "fingerprints": fingerprints,
         "rows": rows,
+        "entropy_rows": entropy_rows,
         "per_step": steps,
         "hidden_state_drift": hidden,
         "replay": replay,

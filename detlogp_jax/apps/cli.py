@@ -3,7 +3,7 @@
     python -m detlogp_jax.validate [--backend reference|pallas_sm90|auto|xla]
         [--preset tiny|small|qwen3_8b] [--batch N] [--steps N] [--[no]strict]
         [--temperature 1.0 --top_k 0 --top_p 1.0 --min_p 0.0] [--seed 0] [--tp 1]
-        [--out_dir DIR] [--name NAME] [--[no]baseline] [--time_reps 3] [--[no]png]
+        [--out_dir DIR] [--name NAME] [--[no]baseline] [--time_reps 3] [--[no]png] [--[no]entropy]
 
 Defaults: on a Hopper GPU `pallas_sm90`, `qwen3_8b`, 64 x 128, strict; elsewhere
 `reference`, `small`, 16 x 32, strict. The report (.md, .json, .png) goes to a
@@ -62,6 +62,9 @@ def define_flags():
     flags.DEFINE_bool("baseline", True, "Also run the XLA materialized baseline lane.")
     flags.DEFINE_integer("time_reps", 3, "Timed calls per lane of the trainer's packed scoring (0: no timing).")
     flags.DEFINE_bool("png", True, "Also draw the PNG (needs matplotlib).")
+    flags.DEFINE_bool(
+        "entropy", None, "Also compare the entropy bytes (default: where the contract backend produces the entropy)."
+    )
     return F
 
 
@@ -82,6 +85,7 @@ _FLAG_NAMES = (
     "baseline",
     "time_reps",
     "png",
+    "entropy",
 )
 
 
@@ -104,6 +108,7 @@ def _config_from_flags(F) -> parity.ValidateConfig:
         baseline=F.baseline,
         time_reps=F.time_reps,
         png=F.png,
+        entropy=F.entropy,
         command=command,
     )
 

@@ -7,15 +7,24 @@ ship inside the package (`detlogp_jax/apps/data/fingerprints.json`, read with
 `importlib.resources`, so an installed wheel replays them from any directory).
 A replay reports, per case, pass / FAIL / new (no record for this key yet).
 
+The per-row entropy (`linear-logp-entropy-v1`, CONTRACT.md section 9) has its own
+records under its own key, `platform/device_kind/cc/linear-logp-entropy-v1/jax/backend`
+(field `entropy_sha256`), so the `linear-logp-contract-v1` records (and a replay by an
+older version, which reads only those) are untouched. On a backend that produces the
+entropy each case runs a second time with `return_entropy=True`; its logp/lse must be
+the first run's bytes and its entropy must match the entropy record. A backend without
+the entropy (`pallas_sm90` today) skips the entropy records.
+
     python -m detlogp_jax.golden                       # replay on the best backend
     python -m detlogp_jax.golden --record --out FILE   # write the records + this machine's key to FILE
     python -m detlogp_jax.golden --fingerprints FILE   # replay against another records file
     python -m detlogp_jax.golden --backend reference --cases small_odd,decode_row
 
 Exit status: 0 when every selected case that runs here passes (at least one);
-1 when a case fails (other bytes, or served by another backend); 2 when this
-machine's key has no record for a case (or nothing ran) and --record is not
-given, or --record has no --out. Recording never rewrites the packaged file
+1 when a case fails (other bytes, or served by another backend; entropy records
+included); 2 when this machine's key has no record for a case (or an entropy
+case has no entropy record, or nothing ran) and --record is not given, or
+--record has no --out. Recording never rewrites the packaged file
 unless --out names it; unchanged records keep their bytes (same JSON layout).
 """
 
@@ -81,32 +90,51 @@ def make_inputs(case: Case):
     return h, w, t, b, temp
 
 
-def platform_key(backend: str) -> str:
+def platform_key(backend: str, contract_id: str = contract.CONTRACT_ID) -> str:
+    """The records key of this machine for `backend` (`contract_id`: the contract's, or
+    `contract.ENTROPY_ID` for the entropy records)."""
     info = backends.platform_info()
     cc = info["compute_capability"] or "-"
-    return f"{info['platform']}/{info['device_kind']}/cc{cc}/{contract.CONTRACT_ID}/jax{jax.__version__}/{backend}"
+    return f"{info['platform']}/{info['device_kind']}/cc{cc}/{contract_id}/jax{jax.__version__}/{backend}"
 
 
-def fingerprint_case(case: Case, backend: str) -> dict:
+def entropy_key(backend: str) -> str:
+    """The key of this machine's entropy records (`linear-logp-entropy-v1`) for `backend`."""
+    return platform_key(backend, contract.ENTROPY_ID)
+
+
+def produces_entropy(backend: str) -> bool:
+    """Whether `backend` declares the entropy statistic (False for an unknown or broken plugin)."""
+    try:
+        return bool(backends.get(backend).entropy)
+    except Exception:
+        return False
+
+
+def _sha(x) -> str:
+    return hashlib.sha256(np.asarray(jax.device_get(x), np.float32).tobytes()).hexdigest()
+
+
+def fingerprint_case(case: Case, backend: str, entropy: bool = False) -> dict:
+    """sha256 of a case's logp/lse bytes (and, with `entropy`, of its entropy bytes from a
+    second run with return_entropy=True, and whether that run's logp/lse bytes are the first's)."""
     h, w, t, b, temp = make_inputs(case)
-    out = dl.linear_logp(
-        h,
-        w,
-        t,
+    kw = dict(
         bias=b,
         temperature=temp if np.isscalar(temp) else jnp.asarray(temp),
         vocab_size=case.vocab,
         padded_vocab_size=case.padded,
         backend=backend,
     )
-    logp = np.asarray(jax.device_get(out.logp), np.float32)
-    lse = np.asarray(jax.device_get(out.lse), np.float32)
+    out = dl.linear_logp(h, w, t, **kw)
     prov = dl.last_provenance()
-    return {
-        "logp_sha256": hashlib.sha256(logp.tobytes()).hexdigest(),
-        "lse_sha256": hashlib.sha256(lse.tobytes()).hexdigest(),
-        "served_by": prov.backend,
-    }
+    got = {"logp_sha256": _sha(out.logp), "lse_sha256": _sha(out.lse), "served_by": prov.backend}
+    if entropy:
+        ent = dl.linear_logp(h, w, t, return_entropy=True, **kw)
+        got["entropy_sha256"] = _sha(ent.entropy)
+        got["entropy_served_by"] = ent.provenance.backend
+        got["entropy_same_logp_lse"] = (_sha(ent.logp), _sha(ent.lse)) == (got["logp_sha256"], got["lse_sha256"])
+    return got
 
 
 def load(path=None) -> dict:
@@ -129,24 +157,29 @@ def dump(db: dict, path) -> None:
 def replay(backend: str, cases=None, record: bool = False, log=print, db: dict | None = None) -> dict:
     """Replays the golden set for `backend` on this machine against `db` (default: packaged).
 
-    Returns {"key", "results": {case: "pass" | "FAIL..." | "new" | "skipped..."}, "records"}.
+    Returns {"key", "results": {case: "pass" | "FAIL..." | "new" | "skipped..."},
+    "entropy_key", "entropy_results" (the same for the entropy records; empty when the
+    backend does not produce the entropy), "records"}.
     Keeps: a case served by another backend than `backend` is a FAIL and its bytes
     are never filed under this key; with `record`, "records" is `db` with this
-    key's served cases set to the bytes got here (other keys untouched); `db` is
-    not modified and nothing is written (see `main --out`).
+    key's (and the entropy key's) served cases set to the bytes got here (other keys
+    untouched); `db` is not modified and nothing is written (see `main --out`).
     """
     on_cpu = jax.devices()[0].platform == "cpu"
     db = load() if db is None else db
     key = platform_key(backend)
+    ekey = entropy_key(backend)
+    with_entropy = produces_entropy(backend)
     stored = dict(db.get(key, {}))
-    results = {}
+    e_stored = dict(db.get(ekey, {}))
+    results, e_results = {}, {}
     for case in CASES:
         if cases and case.name not in cases:
             continue
         if case.gpu_only and on_cpu:
             results[case.name] = "skipped (gpu only)"
             continue
-        got = fingerprint_case(case, backend)
+        got = fingerprint_case(case, backend, entropy=with_entropy)
         if got["served_by"] != backend:
             results[case.name] = f"FAIL (served by {got['served_by']})"
         elif case.name not in stored:
@@ -159,9 +192,29 @@ def replay(backend: str, cases=None, record: bool = False, log=print, db: dict |
             results[case.name] = "FAIL"
         if record and got["served_by"] == backend:  # never file a fallback's bytes under this key
             stored[case.name] = {k: got[k] for k in ("logp_sha256", "lse_sha256")}
-        log(f"{case.name:24s} {results[case.name]:10s} logp={got['logp_sha256'][:16]} lse={got['lse_sha256'][:16]}")
-    records = dict(db, **{key: stored}) if record else db
-    return {"key": key, "results": results, "records": records}
+        line = f"{case.name:24s} {results[case.name]:10s} logp={got['logp_sha256'][:16]} lse={got['lse_sha256'][:16]}"
+        if with_entropy:
+            e_results[case.name] = _entropy_status(got, backend, e_stored.get(case.name))
+            if record and got["entropy_served_by"] == backend and got["entropy_same_logp_lse"]:
+                e_stored[case.name] = {"entropy_sha256": got["entropy_sha256"]}
+            line += f" entropy={got['entropy_sha256'][:16]} {e_results[case.name]}"
+        log(line)
+    records = db
+    if record:
+        records = dict(db, **{key: stored})
+        if with_entropy and e_stored:
+            records[ekey] = e_stored
+    return {"key": key, "results": results, "entropy_key": ekey, "entropy_results": e_results, "records": records}
+
+
+def _entropy_status(got: dict, backend: str, stored: dict | None) -> str:
+    if got["entropy_served_by"] != backend:
+        return f"FAIL (entropy served by {got['entropy_served_by']})"
+    if not got["entropy_same_logp_lse"]:
+        return "FAIL (return_entropy=True changed logp/lse bytes)"
+    if stored is None:
+        return "new"
+    return "pass" if stored.get("entropy_sha256") == got["entropy_sha256"] else "FAIL"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -204,13 +257,21 @@ def main(argv=None) -> int:
     res = out["results"].values()
     n_pass, n_new = sum(r == "pass" for r in res), sum(r == "new" for r in res)
     n_fail = sum(r.startswith("FAIL") for r in res)
+    e_res = out["entropy_results"].values()
+    e_pass, e_new = sum(r == "pass" for r in e_res), sum(r == "new" for r in e_res)
+    e_fail = sum(r.startswith("FAIL") for r in e_res)
     print(f"key: {out['key']}")
     print(f"records: {source}")
     print(f"golden replay: {n_pass} pass, {n_fail} fail, {n_new} new")
+    if produces_entropy(backend):
+        print(f"entropy replay ({out['entropy_key']}): {e_pass} pass, {e_fail} fail, {e_new} new")
+    else:
+        print(f"entropy replay: skipped ({backend} does not produce the entropy)")
     if args.record:
         dump(out["records"], args.out)
-        print(f"recorded {out['key']} into {args.out}")
-    if n_fail:
+        also = f" and {out['entropy_key']}" if out["entropy_results"] else ""
+        print(f"recorded {out['key']}{also} into {args.out}")
+    if n_fail or e_fail:
         return 1
     if args.record:
         return 0
@@ -225,6 +286,13 @@ def main(argv=None) -> int:
         what = f"{n_new} case(s) without a record" if n_new else "no case replayed here"
         print(
             f"error: {what} for {out['key']}; nothing may pass unchecked (record with --record --out FILE)",
+            file=sys.stderr,
+        )
+        return 2
+    if e_new:
+        print(
+            f"error: {e_new} case(s) without an entropy record for {out['entropy_key']}; nothing may pass "
+            "unchecked (record with --record --out FILE)",
             file=sys.stderr,
         )
         return 2

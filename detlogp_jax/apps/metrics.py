@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bits", "compare_logp", "row_mismatch", "per_step"]
+__all__ = ["bits", "compare_logp", "compare_values", "row_mismatch", "per_step"]
 
 
 def bits(x) -> np.ndarray:
@@ -48,6 +48,14 @@ def compare_logp(rollout, trainer) -> dict[str, Any]:
         "max_abs_k3": float(np.max(np.abs(k3[finite]))) if finite.any() else 0.0,
         "nonfinite": int(r.size - np.count_nonzero(finite)),
     }
+
+
+def compare_values(rollout, trainer) -> dict[str, Any]:
+    """Byte comparison of two float32 vectors that are not log-probabilities (the entropy):
+    rows, mismatch_count (rows whose bytes differ), max_abs_diff over finite differences
+    (0.0 when none), nonfinite (rows left out of it)."""
+    m = compare_logp(rollout, trainer)
+    return {k: m[k] for k in ("rows", "mismatch_count", "max_abs_diff", "nonfinite")}
 
 
 def row_mismatch(a, b) -> tuple[int, float]:

@@ -25,6 +25,12 @@ max |K3| with rho = exp(logp_trainer - logp_rollout), K3 = rho - 1 - log(rho)
 (float64, from the two float32 values). Drift in (b) but not in (a) is the
 body's (attention/FFN), not the operator's.
 
+Entropy (on where the backend produces it, `ValidateConfig.entropy`): the rollout's
+logp call also returns the per-row entropy (`return_entropy=True`, one call), the
+trainer scores the entropy of the same packed rows with a second call (its logp
+rows keep `return_entropy=False`), and the entropy bytes are compared like the logp
+bytes, for (a) and (b).
+
 Defaults (the main job): on a Hopper GPU (`pallas_sm90` available) the
 Qwen3-8B lm_head shape (`qwen3_8b`), batch 64 x 128 steps on `pallas_sm90`;
 elsewhere the `small` preset, batch 16 x 32 steps on the `reference` backend;
@@ -116,6 +122,7 @@ class ValidateConfig:
     progress: bool = True
     model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"d_model": 32}
     corrupt_trainer_weight: bool = False  # test hook: flip one bit of the trainer's lm_head copy
+    entropy: bool | None = None  # compare entropy bytes too; None: where the contract backend produces it
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -125,6 +132,14 @@ def hopper_available() -> bool:
     """Whether the Hopper backend (`pallas_sm90`) can serve on this machine (never raises)."""
     try:
         return bool(backends.get("pallas_sm90").available())
+    except Exception:
+        return False
+
+
+def backend_produces_entropy(backend: str) -> bool:
+    """Whether the backend declares the entropy statistic (never raises; "auto": the preferred one)."""
+    try:
+        return bool(backends.get(backends.preferred() if backend == "auto" else backend).entropy)
     except Exception:
         return False
 
@@ -158,6 +173,8 @@ def resolve_config(config: ValidateConfig) -> ValidateConfig:
         steps=config.steps or (128 if hopper else 32),
         out_dir=default_out_dir() if config.out_dir == "default" else config.out_dir,
     )
+    if cfg.entropy is None:
+        cfg = dataclasses.replace(cfg, entropy=backend_produces_entropy(cfg.backend))
     if cfg.batch < 1 or cfg.steps < 1:
         raise ValueError("batch and steps must be >= 1")
     if cfg.name is None:
@@ -234,6 +251,7 @@ def _prov_record(p: C.Provenance | None) -> dict[str, Any] | None:
         "n_split",
         "platform",
         "device_kind",
+        "entropy_id",
     )
     return {f: getattr(p, f) for f in fields}
 
@@ -289,6 +307,7 @@ class Rollout:
     logp: np.ndarray  # the op's contract logp of the sampled token
     processed_logprob: np.ndarray  # the sampler's processed logprob
     xla_logp: np.ndarray | None  # the XLA baseline lane's logp of the same token
+    entropy: np.ndarray | None = None  # the op's entropy of each row (same call as logp), if compared
 
 
 @dataclasses.dataclass
@@ -304,6 +323,8 @@ class TrainerScores:
     logp_b: np.ndarray  # (b) end to end: the trainer's own forward
     xla_logp_a: np.ndarray | None
     xla_logp_b: np.ndarray | None
+    entropy_a: np.ndarray | None  # the trainer's entropy of the packed rows, (a) and (b), if compared
+    entropy_b: np.ndarray | None
     hidden_rows_differ: int
     hidden_max_abs_diff: float
     score: Callable  # jitted (model, h, t) -> logp, contract lane (for timing)
@@ -350,39 +371,42 @@ def run_rollout(s: Setup) -> Rollout:
     def serve(m, h, pos):
         rows = jnp.arange(h.shape[0])
         keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(s.k_sample, b), pos))(rows)
+        ent = {}
+
+        def logp_from_op(tok):  # one op call: the logp of the sampled token (and the row's entropy)
+            out = m.head(h, tok, temperature=temperature, return_entropy=bool(cfg.entropy))
+            ent["entropy"] = out.entropy
+            return out.logp
+
         with _lane_ctx(cfg.strict, True):
             logits = m.head.logits(h)  # serving entry: FP32 logits [B, V]
             rec.mark("rollout_serve")
-            res = sampling.sample(
-                logits,
-                program,
-                keys,
-                logp_from_op=lambda tok: m.head(h, tok, temperature=temperature).logp,
-            )
+            res = sampling.sample(logits, program, keys, logp_from_op=logp_from_op)
             rec.mark("rollout_logp")
         xla_logp = None
         if cfg.baseline:
             with _lane_ctx(cfg.strict, False):
                 xla_logp = m.head(h, res.token, temperature=temperature, backend="xla").logp
                 rec.mark("baseline_rollout")
-        return res.token, res.processed_logprob, res.logp, xla_logp
+        return res.token, res.processed_logprob, res.logp, xla_logp, ent["entropy"]
 
     P, S = s.prompt_len, cfg.steps
     cache = s.model.init_cache(cfg.batch)
     seq = [s.prompt[:, i] for i in range(P)]
-    hs, toks, logps, plogps, xlogps = [], [], [], [], []
+    hs, toks, logps, plogps, xlogps, ents = [], [], [], [], [], []
     for pos in range(P - 1):  # prefill, one token per step, teacher forced
         _, cache = decode(s.model, seq[pos], jnp.int32(pos), cache)
     for i in range(S):
         pos = P - 1 + i
         h, cache = decode(s.model, seq[pos], jnp.int32(pos), cache)
-        tok, plp, lp, xlp = serve(s.model, h, jnp.int32(pos))
+        tok, plp, lp, xlp, ent = serve(s.model, h, jnp.int32(pos))
         seq.append(tok)
         hs.append(h)
         toks.append(tok)
         logps.append(lp)
         plogps.append(plp)
         xlogps.append(xlp)
+        ents.append(ent)
         s.prog.step("rollout", i + 1, S)
     return Rollout(
         fingerprint=fp,
@@ -392,6 +416,7 @@ def run_rollout(s: Setup) -> Rollout:
         logp=np.asarray(jnp.stack(logps, axis=1), np.float32),
         processed_logprob=np.asarray(jnp.stack(plogps, axis=1), np.float32),
         xla_logp=np.asarray(jnp.stack(xlogps, axis=1), np.float32) if cfg.baseline else None,
+        entropy=np.asarray(jnp.stack(ents, axis=1), np.float32) if cfg.entropy else None,
     )
 
 
@@ -434,6 +459,13 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
         return out.logp
 
     @nnx.jit
+    def score_entropy(m, h, t):
+        with _lane_ctx(cfg.strict, True):
+            out = m.head(h, t, temperature=temperature, return_entropy=True)  # trainer entry + entropy
+            rec.mark("trainer_entropy")
+        return out.entropy
+
+    @nnx.jit
     def score_xla(m, h, t):
         with _lane_ctx(cfg.strict, False):
             out = m.head(h, t, temperature=temperature, backend="xla")
@@ -455,6 +487,11 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
     h_b = jnp.asarray(H_tr.reshape(N, -1)[perm])
     logp_b = unpack(score(trainer, h_b, tgt))
     hid_rows, hid_mad = row_mismatch(rollout.hidden.reshape(N, -1), H_tr.reshape(N, -1))
+    ent_a = ent_b = None
+    if cfg.entropy:
+        s.prog.note("trainer: entropy of the packed rows (operator, end to end)")
+        ent_a = unpack(score_entropy(trainer, h_a, tgt))
+        ent_b = unpack(score_entropy(trainer, h_b, tgt))
     xa = xb = None
     if cfg.baseline:
         s.prog.note("trainer: XLA baseline lane")
@@ -470,6 +507,8 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
         logp_b,
         xa,
         xb,
+        ent_a,
+        ent_b,
         hid_rows,
         hid_mad,
         score,

@@ -80,6 +80,16 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {r['lane']} | {r['backend']} | {r['check']} | {r['rows']} | {r['mismatch_count']} | "
             f"{_fmt(r['max_abs_diff'])} | {_fmt(r['max_abs_k3'])} |"
         )
+    if report.get("entropy_rows"):
+        lines += [
+            "",
+            "Entropy (rollout vs trainer, the op's per-row entropy of the same rows):",
+            "",
+            "| check | rows | mismatch_count | max_abs_diff |",
+            "|---|---|---|---|",
+        ]
+        for r in report["entropy_rows"]:
+            lines.append(f"| {r['check']} | {r['rows']} | {r['mismatch_count']} | {_fmt(r['max_abs_diff'])} |")
     hd = report["hidden_state_drift"]
     lines += [
         "",

@@ -204,12 +204,21 @@ class LogpHead(nnx.Module):
 
     # -- forward -------------------------------------------------------------------
     def __call__(
-        self, hidden, targets, *, temperature=1.0, return_logits: bool = False, backend: str | None = None
+        self,
+        hidden,
+        targets,
+        *,
+        temperature=1.0,
+        return_logits: bool = False,
+        backend: str | None = None,
+        return_entropy: bool = False,
     ) -> LogpOutput:
-        """LogpOutput(logp, lse, logits|None) of `targets` under this head.
+        """LogpOutput(logp, lse, logits|None, provenance, entropy|None) of `targets` under this head.
 
         hidden [..., D] (cast to the compute dtype), targets [...] int
         (-100 = ignore). `backend` overrides the module's backend for one call.
+        return_entropy: also the per-row entropy of softmax(logits / T) over the real
+        vocabulary (`linear-logp-entropy-v1`; differentiable, e.g. for an entropy bonus).
         """
         w, b = self.arrays()
         if hidden.dtype != w.dtype:
@@ -222,6 +231,7 @@ class LogpHead(nnx.Module):
             return_logits=return_logits,
             backend=self.backend if backend is None else backend,
             weight_layout=self.weight_layout,
+            return_entropy=return_entropy,
         )
         if self.mesh is not None and kw["backend"] != "xla":  # the XLA lane has no TP form: it runs unsharded
             out = linear_logp_tp(hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw)
