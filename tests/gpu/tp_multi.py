@@ -29,7 +29,7 @@ its programs are compiled together, in --compile_workers threads) that does not 
 listed. The JSON (--out, default $OUT/tp_multi.json) is rewritten after every row; a table ends
 the log. Exit 0 when no row differs, every gradient is within tolerance and nothing failed.
 Defaults can also come from the environment: TPM_MODE, TPM_TP, TPM_TP_DP, TPM_SHAPES, TPM_LAYOUTS,
-TPM_M, TPM_GRAD_M, TPM_BACKEND, TPM_BUDGET_S, TPM_COMPILE_WORKERS.
+TPM_M, TPM_GRAD_M, TPM_PIECES_M, TPM_BACKEND, TPM_BUDGET_S, TPM_COMPILE_WORKERS.
 """
 
 from __future__ import annotations
@@ -190,7 +190,9 @@ def parse_args(argv=None):
     p.add_argument("--layout", "--layouts", dest="layouts", default=_env("TPM_LAYOUTS", "vd,dv"))
     p.add_argument("--m", default=_env("TPM_M", "1,64,4096,16384"), help="rows per call (forward)")
     p.add_argument("--grad_m", default=_env("TPM_GRAD_M", "4096"), help="rows for gradients and fwd+bwd timing")
-    p.add_argument("--pieces_m", type=int, default=4096, help="rows for the pieces of one TP call (speed)")
+    p.add_argument(
+        "--pieces_m", type=int, default=int(_env("TPM_PIECES_M", "4096")), help="rows for the pieces of one TP call"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--backend", default=_env("TPM_BACKEND", "pallas_sm90"))
     p.add_argument("--budget_s", type=float, default=float(_env("TPM_BUDGET_S", "480")), help="all phases together")
@@ -203,7 +205,9 @@ def parse_args(argv=None):
         default=int(_env("TPM_COMPILE_WORKERS", str(max(1, min(8, (os.cpu_count() or 2) // 2))))),
         help="threads compiling one group's programs (1: one after another)",
     )
-    p.add_argument("--trace_dir", default=None, help="jax.profiler trace of 3 TP calls per degree at --pieces_m")
+    p.add_argument(
+        "--trace_dir", default=None, help="jax.profiler trace of 5 TP calls per degree at --pieces_m, summarised"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default $OUT/tp_multi.json if $OUT is set)")
     a = p.parse_args(argv)
@@ -732,24 +736,46 @@ class Suite:
             row["trace"] = self._trace(compiled_fwd, (h, w, t), c.label)
         self.run.add(row)
         tot = row["total_ms"]["median"] if row["total_ms"] else float("nan")
+        tr = row.get("trace")
+        if tr and "top" in tr:
+            log(
+                f"  trace {c.label} ({tr['scope']} events, {tr['calls']} calls): busy {tr['busy_us_per_call_all_devices']:.1f} "
+                f"us per call over all devices, span {tr['span_us_per_call'] or 0:.1f} us; top: "
+                + "; ".join(f"{r['name'][:40]} {r['us_per_call']:.1f} us" for r in tr["top"][:4])
+            )
         log(
             f"  pieces {c.label}: local {row['local_ms']['median']:.3f} ms, all_gather {row['gather_ms']['median']:.3f} ms, "
             f"fold {row['fold_ms']['median']:.3f} ms (sum {row['sum_of_pieces_ms']:.3f}; whole call {tot:.3f}); "
             f"chained pieces vs one device: {row['pieces_rows_differ']} rows differ"
         )
 
-    def _trace(self, compiled, args, label):
+    def _trace(self, compiled, args, label, calls=5):
+        """A jax.profiler trace of `calls` TP calls, summarised per event name on the device threads
+        (benchmarks/experiments/trace_summary.py): the raw trace stays in --trace_dir."""
         import jax
+
+        from benchmarks.experiments.trace_summary import load_trace, summarize
 
         d = os.path.join(self.args.trace_dir, label)
         try:
             jax.block_until_ready(compiled(*args))
             with jax.profiler.trace(d):
-                for _ in range(3):
-                    jax.block_until_ready(compiled(*args))
-            return d
+                jax.block_until_ready([compiled(*args) for _ in range(calls)])
+            sm = summarize(load_trace(d), calls)
         except Exception as e:  # a trace is optional
-            return f"failed: {_err(e)}"
+            return {"dir": d, "error": _err(e)}
+        top = [
+            dict(name=r["name"][:160], count=r["count"], us_per_call=round(r["us_per_call"], 2))
+            for r in sm["rows"][:15]
+        ]
+        return {
+            "dir": d,
+            "scope": sm["scope"],
+            "calls": calls,
+            "busy_us_per_call_all_devices": sm["busy_us_per_call"],
+            "span_us_per_call": sm["span_us_per_call"],
+            "top": top,
+        }
 
     # -- phase 3: gradients and fwd+bwd time ---------------------------------------------------------
     def phase_bwd(self, budget):

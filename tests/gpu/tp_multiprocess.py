@@ -106,6 +106,8 @@ def _child_env(a, pid=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
+    # NVLink multicast stays off (the device machines' rule; XLA's NCCL reads these too)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     if a.platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
