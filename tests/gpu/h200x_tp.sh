@@ -13,8 +13,10 @@
 #       logp/lse bytes of every mesh vs one GPU; time per call and scaling efficiency TP1 / (devices x TPk);
 #       the pieces of one TP call at M=4096 (local partials, all_gather, fold) and a profiler trace;
 #       gradients at M=4096 vs one GPU (rel. Frobenius < 1e-2, bf16) and run to run, fwd+bwd time.
-#   mp  tests/gpu/tp_multiprocess.py --n <GPUs>: one JAX process per GPU, TP over processes vs one process.
-# Results: $OUT/results.tgz (tp_multi.json, tp_multiprocess.json, every stage's log, the trace if small).
+#   mp  tests/gpu/tp_multiprocess.py --n <GPUs>: one JAX process per GPU, TP over processes vs one process,
+#       Qwen3-8B [V, D] at M = 1, 4096 (MP_LAYOUTS=vd,dv adds the [D, V] kernel).
+# Results: $OUT/results.tgz: tp_multi.json (with the trace summaries), tp_multiprocess.json, every stage's log, the raw
+# profiler trace only if it is small.
 # Run from the repo root on the device:  bash tests/gpu/h200x_tp.sh
 # CPU rehearsal (8 host devices, reference backend, tiny shape, 2 CPU processes; ~2 min on 2 cores):
 #   H200X_DRY=1 PYTHON=.venv/bin/python OUT=/tmp/out bash tests/gpu/h200x_tp.sh
@@ -50,7 +52,7 @@ esac
 case ",$STAGES," in *,mp,*)
   if [ "$NMP" -ge 2 ]; then
     # shellcheck disable=SC2086
-    TAILN=14 stage mp 125 $PY tests/gpu/tp_multiprocess.py --n "$NMP" $MP_ARGS --layouts "$TPM_LAYOUTS" \
+    TAILN=14 stage mp 125 $PY tests/gpu/tp_multiprocess.py --n "$NMP" $MP_ARGS --layouts "${MP_LAYOUTS:-vd}" \
       --timeout_s 115 --out "$OUT/tp_multiprocess.json"
   else
     echo "=== mp skipped: one GPU"
