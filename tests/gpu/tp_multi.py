@@ -312,7 +312,6 @@ class Budget:
         self.total = total_s
         w = sum(self.SHARES[p] for p in phases) or 1.0
         self.alloc = {p: total_s * self.SHARES[p] / w for p in phases}
-        self.used = 0.0
         self.deadline = self.t0
 
     def start(self, phase):
@@ -996,6 +995,15 @@ def print_tables(doc):
                 f"{r['dweight']['rel_fro']:.2e} | {r['within_tol']} | {r['repeat_bitwise']} | "
                 f"{_cell(r.get('tp1_ms'))} | {_cell(r.get('ms'))} | {eff} |"
             )
+    eff = [
+        (r["kind"], r["shape"], r["layout"], r["config"], r["efficiency"])
+        for r in fwd + bwd
+        if r.get("efficiency") and r["m"] == 4096 and r["tp"] > 1
+    ]
+    if eff:
+        log("\nscaling efficiency TP1_ms / (devices x ms) at M=4096 (target >= 0.85):")
+        for kind, shape, layout, cfg, e in eff:
+            log(f"  {kind:7s} {shape} {layout} {cfg:9s} {e:.2f} {'ok' if e >= 0.85 else 'below target'}")
     for n in doc["notes"]:
         log(f"note: {n}")
     if doc["skipped"]:
