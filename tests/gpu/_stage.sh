@@ -1,4 +1,4 @@
-# Shared by tests/gpu/h200_validate.sh, h200_bench.sh and h200_bench_small_m.sh: time-boxed
+# Shared by tests/gpu/h200_validate.sh, h200_bench.sh, h200_bench_small_m.sh and h200x_tp.sh: time-boxed
 # stages whose logs land in /tmp/res, packed into $OUT/results.tgz at the end ($OUT returns
 # at most 8 files).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
