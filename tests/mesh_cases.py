@@ -122,6 +122,20 @@ def run() -> dict:
             ),
         )
 
+    # A weight sharded over the vocabulary on an Auto mesh under plain jit: XLA's partitioner
+    # sees ordinary ops and serves it; the bytes must be the unsharded call's.
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
+    try:
+        fwd = jax.jit(lambda h, w: dl.linear_logp(h, w, jnp.asarray(t.reshape(-1)), **kw)[:2])
+        got = fwd(h.reshape(-1, D), jax.device_put(w, NamedSharding(mesh, P("dp", None))))
+        want = fwd(h.reshape(-1, D), w)
+        res["auto_sharded_weight"] = {
+            "logp_rows_differ": _bits_rows(got[0], want[0]),
+            "lse_rows_differ": _bits_rows(got[1], want[1]),
+        }
+    except Exception:
+        res["auto_sharded_weight"] = {"error": traceback.format_exc()[-3000:]}
+
     # A weight sharded over an Explicit axis: refused, pointing to linear_logp_tp.
     mesh = jax.make_mesh((8,), ("dp",))
     try:

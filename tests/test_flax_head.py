@@ -232,3 +232,26 @@ def test_dv_head_on_a_tp_mesh_matches_the_unsharded_head():
     plain.kernel[...] = head.kernel[...][:, :V]
     h, t = _data()
     assert_bitwise_equal(head(h, t).logp, plain(h, t).logp, "tp dv logp")
+
+
+def test_readme_spelling_of_the_flax_head_works_in_a_fresh_process():
+    """`import detlogp_jax as dl; dl.flax.LogpHead(...)`, as the README writes it, with nothing
+    imported before (documented submodules are lazy attributes of the package)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = (
+        "import detlogp_jax as dl\n"
+        "from flax import nnx\n"
+        "import jax.numpy as jnp\n"
+        "head = dl.flax.LogpHead(32, 300, rngs=nnx.Rngs(0))\n"
+        "out = head(jnp.ones((2, 32)), jnp.zeros((2,), jnp.int32))\n"
+        "assert dl.sampling.SamplingProgram and dl.__version__\n"
+        "print(out.logp.shape, out.provenance.backend)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["(2,)", "reference"], r.stdout + r.stderr[-2000:]

@@ -214,6 +214,12 @@ def test_sharded_rows_give_single_device_entropy_and_temperature_gradient(mesh_r
     assert r["grad_max_abs_diff"] <= 1e-5 * max(1.0, mesh_results["entropy_scale"]), r
 
 
+def test_vocab_sharded_weight_on_an_auto_mesh_is_served_with_the_same_bytes(mesh_results):
+    r = mesh_results["auto_sharded_weight"]
+    assert "error" not in r, r.get("error")
+    assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0, r
+
+
 def test_shardings_the_op_cannot_serve_are_refused(mesh_results):
     assert "linear_logp_tp" in mesh_results["sharded_weight_error"], mesh_results["sharded_weight_error"]
     assert "D axis" in mesh_results["sharded_d_error"], mesh_results["sharded_d_error"]
