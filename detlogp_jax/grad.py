@@ -8,7 +8,10 @@ y = z * inv_t, H = lse - E_p[y] and dH/dy_j = -p_j (y_j - E_p[y]) = -p_j (lp_j +
 so the forward's entropy H (a residual, one value per row) is all it needs; it is
 formed only when the entropy has a cotangent. Chunks are visited in
 ascending order with a fixed shape, so two runs give identical bytes; the
-backward is deterministic but not part of the frozen contract. With a
+backward is deterministic but not part of the frozen contract. With V_rows =
+q * chunk + r the q full chunks run in a scan that writes each dW / db chunk once
+(no read-back, no clamping); when r > 0 one more chunk, clamped to end at the last
+row, runs after it at a static offset and keeps only its r new rows. With a
 backend's `dz` kernel (`backends.DzKernel`; the pallas_sm90 backend has one)
 the recompute GEMM and the dz formula run in one Pallas kernel that writes dz
 as bf16, so the chunk's FP32 logits never reach device memory; otherwise XLA
@@ -33,10 +36,43 @@ combines them; dT = -s^2 ds is attached where fl(1/T) is formed
 dH/dT = Var_p(y)/T.
 
 Documented accuracy against float64 autodiff of the materialized math (tests in
-tests/test_api_guards.py and tests/test_entropy.py): relative Frobenius error per
-tensor (hidden, weight, bias) < 1e-5 with f32 inputs (also at the Qwen3 vocab),
-< 1e-2 with bf16 inputs; with the entropy in the loss, and for the temperature,
-< 1e-4 with f32 inputs.
+tests/test_api_guards.py, tests/test_entropy.py and tests/test_residuals.py): relative
+Frobenius error per tensor (hidden, weight, bias) < 1e-5 with f32 inputs (also at the
+Qwen3 vocab), < 1e-2 with bf16 inputs; with the entropy in the loss, and for the
+temperature, < 1e-4 with f32 inputs. Both residual modes meet these bounds.
+
+Residual modes (`linear_logp(..., residuals=)`). "recompute" (the default): the forward
+keeps hidden, the weight and per-row vectors (extra memory O(N*D + V*D)) and each chunk
+recomputes z: with the forward, four GEMM passes (forward, recompute, dh, dW).
+"logits": the forward also keeps its own FP32 logits (O(N*V) memory; on contract
+backends from the forward's `partials(..., return_logits=True)`, whose logp/lse/entropy
+bytes do not depend on return_logits, and with return_logits=True the returned array
+itself), passed here as `backward(logits=)`: each chunk reads its z from them (a
+dynamic slice, or a gather when only the real vocabulary's columns were kept) and runs
+the same dz formula, the same chunk walk and the same dh / dW GEMMs, so three passes.
+The fused dz kernel is not used in this mode: it recomputes z from hidden and the
+weight and has no logits input, so dz is formed by XLA from the saved logits (on
+pallas_sm90 too; rounded to the model dtype for the GEMMs as always).
+
+When are the two modes' gradient bytes identical? Both feed the same formula, so they
+are identical when the saved logits equal the recomputed ones bit for bit on every
+column below vocab_size and XLA compiles the shared part of the two programs alike.
+The first condition is a property of the backend: the recompute is an XLA einsum (f32:
+HIGHEST precision) on every backend today, while the reference forward walks K
+sequentially and pallas_sm90 accumulates in wgmma tiles, so for general inputs the
+logits differ in their last bits; they agree whenever every logit is exact in f32
+(e.g. dyadic inputs whose products and sums need no rounding). The second is a
+property of the compiler: XLA may round one elementwise formula differently in
+different fusions (it may contract a multiply and an add, or recompute dz inside a
+reduction's fusion), so identity is checked, not guaranteed: on XLA:CPU with exact
+logits the bytes of hidden, weight, bias and temperature gradients are identical in
+both layouts, f32 and bf16, with the entropy and a logits cotangent, for every chunking;
+calling `backward` directly with logits of the real vocabulary only (the gather),
+dh and dW are identical and db and the temperature's row sums agree to rounding
+(tests/test_residuals.py). Otherwise the modes are bounded: relative Frobenius
+difference per tensor <= 1e-5 with f32 inputs and <= 1e-2 with bf16 inputs (dz is
+rounded to bf16 for the GEMMs), the order of either mode's own error against float64.
+Each mode is deterministic run to run.
 """
 
 from __future__ import annotations
