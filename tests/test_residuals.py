@@ -29,6 +29,11 @@ from tests.helpers import ROOT, assert_bitwise_equal
 
 D, V_ROWS, VOCAB = 16, 200, 190  # padding rows in the weight
 MODES = ("recompute", "logits")
+# Byte identity across the two modes' programs is an observation about XLA:CPU's compiled
+# code (see detlogp_jax/grad.py); tests/gpu/test_residuals_gpu.py prints the GPU's.
+cpu_only = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="cross-program byte identity is checked on XLA:CPU"
+)
 
 
 def _rel(got, want):
@@ -142,6 +147,7 @@ def test_both_modes_match_float64_and_repeat_bitwise(layout, dtype):
                 assert_bitwise_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), f"{mode} repeat")
 
 
+@cpu_only
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_gradient_bytes_identical_when_the_logits_agree(layout, dtype):
@@ -200,6 +206,7 @@ def _exact_backward_case(layout, seed=3):
     return args, g_logits, extra, jnp.asarray(z.astype(np.float32))
 
 
+@cpu_only
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("chunk", [48, 50, 64, 8192])  # clamped last chunk, ..., divisor, one chunk
 def test_backward_from_saved_logits_is_the_recompute_formula(layout, chunk):
