@@ -1,6 +1,8 @@
-"""Chunked backward of linear_logp: gradients without an [N, V] buffer.
+"""Chunked backward of linear_logp: gradients without an [N, V] buffer (unless the
+forward kept its logits: the residual mode, below).
 
-Given the forward's lse, each vocab chunk recomputes z = h @ W_c.T (+ b_c),
+Given the forward's lse, each vocab chunk recomputes z = h @ W_c.T (+ b_c) (or reads
+it from the forward's saved logits),
 lp = z * inv_t - lse, p = exp(lp), and
     dz = inv_t * (g_lse * p + g_logp * (onehot - p) - g_H * p * (lp + H)) + g_logits,
 then dh += dz @ W_c, dW_c = dz.T @ h, db_c = sum_rows dz. The entropy term: with
@@ -59,9 +61,11 @@ are identical when the saved logits equal the recomputed ones bit for bit on eve
 column below vocab_size and XLA compiles the shared part of the two programs alike.
 The first condition is a property of the backend: the recompute is an XLA einsum (f32:
 HIGHEST precision) on every backend today, while the reference forward walks K
-sequentially and pallas_sm90 accumulates in wgmma tiles, so for general inputs the
-logits differ in their last bits; they agree whenever every logit is exact in f32
-(e.g. dyadic inputs whose products and sums need no rounding). The second is a
+sequentially and pallas_sm90 accumulates in wgmma tiles, so the logits need not agree
+(with f32 inputs on XLA:CPU they differ in their last bits; with bf16 inputs, whose
+products are exact in f32, they were seen to agree there); they agree whenever every
+logit is exact in f32 (e.g. dyadic inputs whose products and sums need no rounding),
+the case tests/test_residuals.py checks. The second is a
 property of the compiler: XLA may round one elementwise formula differently in
 different fusions (it may contract a multiply and an add, or recompute dz inside a
 reduction's fusion), so identity is checked, not guaranteed: on XLA:CPU with exact
