@@ -254,7 +254,8 @@ def linear_logp(
     "recompute" (default): hidden, the weight and per-row vectors (extra memory
     O(N*D + V*D)); the backward recomputes the logits chunk by chunk (four GEMM passes
     with the forward). "logits": also the forward's own FP32 logits (O(N*V) memory, the
-    same array as the returned logits with return_logits=True, never a second copy), so
+    same array as the returned logits with return_logits=True under jit; called op by op,
+    the returned logits are the entry's row-sliced / reshaped copy of it), so
     the backward forms dz from them and runs only the dh and dW GEMMs (three passes);
     it never uses a backend's fused dz kernel (that kernel recomputes; it has no logits
     input). logp/lse/entropy bytes never depend on it; the gradient bytes equal the
