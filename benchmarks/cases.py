@@ -12,6 +12,10 @@ lm_head layout) or "dv" (the [D, V_rows] Flax/Tunix kernel, made once by
 the library backends read it in place; xla_chunked and gemm take "vd" only). Modes: fwd, or fwd_bwd = value_and_grad
 w.r.t. hidden and weight of sum(logp) (for gemm: of 0.5 * sum(z**2), so the
 backward is two real GEMMs rather than a broadcast XLA could simplify away).
+Residuals (fwd_bwd, library backends): "recompute" (the default: the backward
+recomputes the logits chunk by chunk) or "logits" (`linear_logp(residuals="logits")`:
+the forward keeps its FP32 logits [M, V] and the backward runs only the dh / dW GEMMs);
+the xla lane's plain autodiff ignores it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ LIBRARY_BACKENDS = ("pallas_sm90", "reference", "xla")
 ALL_BACKENDS = LIBRARY_BACKENDS + ("xla_chunked", "gemm")
 ENTRIES = ("trainer", "serving")
 MODES = ("fwd", "fwd_bwd")
+RESIDUALS = ("recompute", "logits")
 WEIGHT_LAYOUTS = ("vd", "dv")
 
 # Outputs with one row per input row: these are what the batch-invariance probe compares.
@@ -52,6 +57,7 @@ class CaseSpec:
     chunk_block: int = baselines.DEFAULT_BLOCK
     tuning: tuple = ()  # bit-neutral knobs for linear_logp, as sorted (key, value) pairs
     weight_layout: str = "vd"  # "vd": W [V_rows, D]; "dv": W.T [D, V_rows] (a Flax kernel)
+    residuals: str = "recompute"  # linear_logp(residuals=): what the forward keeps for the backward
 
     def __post_init__(self):
         if self.backend not in ALL_BACKENDS:
@@ -60,6 +66,10 @@ class CaseSpec:
             raise ValueError(f"entry must be in {ENTRIES} and mode in {MODES}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be in {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
+        if self.residuals not in RESIDUALS:
+            raise ValueError(f"residuals must be in {RESIDUALS}, got {self.residuals!r}")
+        if self.residuals != "recompute" and self.mode != "fwd_bwd":
+            raise ValueError(f"residuals={self.residuals!r} changes only the backward: use it with mode='fwd_bwd'")
 
     @property
     def serving(self) -> bool:
@@ -94,10 +104,12 @@ def _library_forward(spec: CaseSpec) -> CaseFn:
     # The XLA lane is the non-contract baseline: traced explicitly outside strict mode, so
     # its trace carries no run-time DETLOGP_STRICT check (a host callback) and is timed as
     # plain XLA. Contract lanes trace under whatever strict mode the caller set.
-    lane = detlogp_backends.strict_mode(False) if spec.backend == "xla" else contextlib.nullcontext()
+    # A fresh context per trace (a generator context manager can be entered only once, and
+    # fn is traced once per compiled M plus once more for the M=1 probe).
+    lane = (lambda: detlogp_backends.strict_mode(False)) if spec.backend == "xla" else contextlib.nullcontext
 
     def fn(hidden, weight, targets):
-        with lane:
+        with lane():
             out = detlogp_api.linear_logp(
                 hidden,
                 weight,
@@ -108,6 +120,7 @@ def _library_forward(spec: CaseSpec) -> CaseFn:
                 backend=spec.backend,
                 tuning=dict(spec.tuning) or None,
                 weight_layout=spec.weight_layout,
+                residuals=spec.residuals,
             )
         res = {"logp": out.logp, "lse": out.lse}
         if spec.serving:

@@ -90,6 +90,14 @@ flags.DEFINE_enum(
     "vd: W [V_rows, D] (lm_head); dv: the [D, V_rows] Flax/Tunix kernel, made once before timing and read in place "
     "(library backends only).",
 )
+flags.DEFINE_enum(
+    "residuals",
+    "recompute",
+    list(cases.RESIDUALS),
+    "--mode fwd_bwd: what the forward keeps for the backward (linear_logp(residuals=...)). recompute: the backward "
+    "recomputes the logits chunk by chunk (four GEMM passes); logits: the forward keeps its FP32 logits [M, V] "
+    "(three passes, O(M * V) memory; compare temp_MB / peak_MB). Library backends; the xla lane ignores it.",
+)
 
 
 @dataclasses.dataclass
@@ -112,6 +120,7 @@ class RunConfig:
     chunk_block: int = 2048
     tuning: dict = dataclasses.field(default_factory=dict)
     weight_layout: str = "vd"  # "dv": the weight is the [D, V_rows] kernel (cases.make_weight)
+    residuals: str = "recompute"  # "logits": linear_logp(residuals="logits") (mode fwd_bwd)
     out: str | None = None  # None: default path
     plot: str | None = None  # None: next to out; "none": no plot
     command_line: str = ""
@@ -126,6 +135,10 @@ class RunConfig:
             raise ValueError("need iters >= 1, warmup >= 0, input_sets >= 1, calls_per_sample >= 1")
         if self.weight_layout not in cases.WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be in {cases.WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
+        if self.residuals not in cases.RESIDUALS:
+            raise ValueError(f"residuals must be in {cases.RESIDUALS}, got {self.residuals!r}")
+        if self.residuals != "recompute" and self.mode != "fwd_bwd":
+            raise ValueError(f"--residuals={self.residuals} changes only the backward: use it with --mode fwd_bwd")
 
     def spec(self, backend: str) -> cases.CaseSpec:
         return cases.CaseSpec(
@@ -137,13 +150,15 @@ class RunConfig:
             self.chunk_block,
             tuple(sorted(self.tuning.items())),
             self.weight_layout,
+            self.residuals,
         )
 
     def out_path(self) -> str:
         if self.out:
             return self.out
         layout = "" if self.weight_layout == "vd" else f"_{self.weight_layout}"
-        name = f"{self.shape.name}_{self.entry}_{self.mode}{layout}_{device_tag()}.json"
+        res = "" if self.residuals == "recompute" else f"_res-{self.residuals}"
+        name = f"{self.shape.name}_{self.entry}_{self.mode}{layout}{res}_{device_tag()}.json"
         return os.path.join(REPO_ROOT, "benchmarks", "results", name)
 
     def plot_path(self) -> str | None:
@@ -172,6 +187,7 @@ def config_from_flags() -> RunConfig:
         chunk_block=FLAGS.chunk_block,
         tuning=json.loads(FLAGS.tuning) if FLAGS.tuning else {},
         weight_layout=FLAGS.weight_layout,
+        residuals=FLAGS.residuals,
         out=FLAGS.out,
         plot=FLAGS.plot,
         command_line=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
@@ -368,7 +384,7 @@ def run(cfg: RunConfig) -> dict:
     _log(
         t_start,
         f"shape {s.name}: D={s.d} V_rows={s.v_rows} V_real={s.v_real} {cfg.dtype}; entry={cfg.entry} mode={cfg.mode}; "
-        f"weight_layout={cfg.weight_layout}; "
+        f"weight_layout={cfg.weight_layout}; residuals={cfg.residuals}; "
         f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}",
     )
     weight = make_weight(cfg)
@@ -423,6 +439,7 @@ def execute(cfg: RunConfig) -> dict:
         title = (
             f"{s.name} (D={s.d}, V={s.v_rows}/{s.v_real}) {cfg.dtype} {cfg.entry} {cfg.mode}"
             + ("" if cfg.weight_layout == "vd" else f" weight_layout={cfg.weight_layout}")
+            + ("" if cfg.residuals == "recompute" else f" residuals={cfg.residuals}")
             + f" on {env['device_kind']}"
         )
         report.plot(results, doc["floors"], plot_path, title, cfg.hbm_tbps, cfg.peak_tflops)

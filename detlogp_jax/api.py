@@ -56,6 +56,7 @@ class _Config:
     tuning: tuple = ()
     weight_layout: str = "vd"
     return_entropy: bool = False
+    residuals: str = "recompute"  # "logits": the forward keeps its FP32 logits for the backward
 
     def layout_kwargs(self) -> dict:
         """The layout argument for a backend (omitted for the default layout)."""
@@ -66,8 +67,14 @@ class _Config:
         return {"return_entropy": True} if self.return_entropy else {}
 
 
-def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
-    """(logp, lse, logits | None, entropy | None) of the backend named by `cfg`."""
+def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config, keep_logits: bool = False):
+    """(logp, lse, logits | None, entropy | None) of the backend named by `cfg`.
+
+    keep_logits (contract backends; the residual mode's forward): the logits come back
+    even without `cfg.return_logits`, from the same `partials` call (its logp/lse bytes
+    do not depend on return_logits), as [N, V_rows] (all the weight's rows: the backward
+    slices its chunks in place); with `cfg.return_logits` they are the returned
+    [N, vocab_size] array itself, never a second copy."""
     be = backends.get(cfg.backend)
     kw = be.tuning_kwargs(cfg.tuning)
     entropy = None
@@ -82,7 +89,7 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config):
             inv_t,
             vocab_size=cfg.vocab_size,
             padded_vocab_size=cfg.padded_vocab_size,
-            return_logits=cfg.return_logits,
+            return_logits=cfg.return_logits or keep_logits,
             logits_cols=cfg.vocab_size if cfg.return_logits else None,
             **cfg.layout_kwargs(),
             **cfg.entropy_kwargs(),
@@ -132,15 +139,19 @@ def _core(hidden, weight, bias, targets, inv_t, cfg):
 
 def _core_fwd(hidden, weight, bias, targets, inv_t, cfg):
     (hidden, weight, bias, targets, inv_t), perturbed = unwrap_primals(hidden, weight, bias, targets, inv_t)
-    out = _serve(hidden, weight, bias, targets, inv_t, cfg)
-    logp, lse, _, entropy = out
+    keep = cfg.residuals == "logits"
+    out = _serve(hidden, weight, bias, targets, inv_t, cfg, keep_logits=keep)
+    logp, lse, logits, entropy = out
+    if keep and not cfg.return_logits:  # kept for the backward only
+        out = (logp, lse, None, entropy)
     # The temperature gradient needs the forward's logp; its presence says it is wanted.
     want_t = perturbed[4]
-    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None)
+    saved = logits if keep else None
+    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None, saved)
 
 
 def _core_bwd(cfg, res, cts):
-    hidden, weight, bias, targets, inv_t, lse, entropy, logp = res
+    hidden, weight, bias, targets, inv_t, lse, entropy, logp, saved = res
     g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
     want_t = logp is not None
     out = grad_lib.backward(
@@ -159,6 +170,7 @@ def _core_bwd(cfg, res, cts):
         entropy=entropy,
         g_entropy=g_entropy,
         row_sums=want_t,
+        logits=saved,
     )
     dh, dw, db = out[:3]
     g_inv_t = None
@@ -212,6 +224,7 @@ def linear_logp(
     tuning: dict | None = None,
     weight_layout: str = "vd",
     return_entropy: bool = False,
+    residuals: str = "recompute",
 ) -> LogpOutput:
     """Log-probability of `targets` under logits = hidden @ W.T (+ bias), / temperature.
 
@@ -237,8 +250,21 @@ def linear_logp(
     backend applies its own); contract constants raise ContractError.
     Differentiable w.r.t. hidden, weight, bias and the temperature (chunked custom_vjp;
     the entropy's cotangent joins the logp/lse ones in the same recompute pass).
+    residuals: what the forward keeps for the backward under differentiation.
+    "recompute" (default): hidden, the weight and per-row vectors (extra memory
+    O(N*D + V*D)); the backward recomputes the logits chunk by chunk (four GEMM passes
+    with the forward). "logits": also the forward's own FP32 logits (O(N*V) memory, the
+    same array as the returned logits with return_logits=True under jit; called op by op,
+    the returned logits are the entry's row-sliced / reshaped copy of it), so
+    the backward forms dz from them and runs only the dh and dW GEMMs (three passes);
+    it never uses a backend's fused dz kernel (that kernel recomputes; it has no logits
+    input). logp/lse/entropy bytes never depend on it; the gradient bytes equal the
+    recompute mode's when the saved logits equal the backward's recomputed ones bit for
+    bit, and agree within the documented gradient accuracy otherwise (`detlogp_jax.grad`).
+    The xla lane differentiates through XLA's autodiff and ignores it.
     """
     C.check_no_overrides(tuning)
+    inputs.check_residuals(residuals)
     # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
     targets = np.asarray(targets) if isinstance(targets, (list, tuple)) else targets
     vocab, padded = inputs.validate(
@@ -254,7 +280,16 @@ def linear_logp(
     be, fallback = backends.resolve(backend, h_spec, weight, weight_layout, entropy=return_entropy)
     backends.guard_strict(be, fallback)
     prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout, return_entropy)
-    cfg = _Config(be.name, vocab, padded, bool(return_logits), inputs.tuning_key(tuning), weight_layout, return_entropy)
+    cfg = _Config(
+        be.name,
+        vocab,
+        padded,
+        bool(return_logits),
+        inputs.tuning_key(tuning),
+        weight_layout,
+        return_entropy,
+        residuals,
+    )
     if n == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return LogpOutput(

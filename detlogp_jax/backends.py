@@ -54,7 +54,10 @@ class DzKernel:
     lp = z * inv_t - lse (so p = exp(lp)) and h is the row's forward entropy. A kernel
     without it (the default) is never given an entropy cotangent: grad.backward then
     forms dz with XLA. (The temperature gradient always uses the XLA-formed path: it
-    needs per-row sums over the vocabulary that dz kernels do not return.)
+    needs per-row sums over the vocabulary that dz kernels do not return.) The residual
+    mode (`linear_logp(..., residuals="logits")`) never calls it either: its backward
+    forms dz with XLA from the forward's saved logits, and this kernel, which recomputes
+    z from hidden and w_c, has no logits input.
     """
 
     fn: Callable

@@ -1,6 +1,8 @@
-"""Chunked backward of linear_logp: gradients without an [N, V] buffer.
+"""Chunked backward of linear_logp: gradients without an [N, V] buffer (unless the
+forward kept its logits: the residual mode, below).
 
-Given the forward's lse, each vocab chunk recomputes z = h @ W_c.T (+ b_c),
+Given the forward's lse, each vocab chunk recomputes z = h @ W_c.T (+ b_c) (or reads
+it from the forward's saved logits),
 lp = z * inv_t - lse, p = exp(lp), and
     dz = inv_t * (g_lse * p + g_logp * (onehot - p) - g_H * p * (lp + H)) + g_logits,
 then dh += dz @ W_c, dW_c = dz.T @ h, db_c = sum_rows dz. The entropy term: with
@@ -8,7 +10,10 @@ y = z * inv_t, H = lse - E_p[y] and dH/dy_j = -p_j (y_j - E_p[y]) = -p_j (lp_j +
 so the forward's entropy H (a residual, one value per row) is all it needs; it is
 formed only when the entropy has a cotangent. Chunks are visited in
 ascending order with a fixed shape, so two runs give identical bytes; the
-backward is deterministic but not part of the frozen contract. With a
+backward is deterministic but not part of the frozen contract. With V_rows =
+q * chunk + r the q full chunks run in a scan that writes each dW / db chunk once
+(no read-back, no clamping); when r > 0 one more chunk, clamped to end at the last
+row, runs after it at a static offset and keeps only its r new rows. With a
 backend's `dz` kernel (`backends.DzKernel`; the pallas_sm90 backend has one)
 the recompute GEMM and the dz formula run in one Pallas kernel that writes dz
 as bf16, so the chunk's FP32 logits never reach device memory; otherwise XLA
@@ -33,10 +38,45 @@ combines them; dT = -s^2 ds is attached where fl(1/T) is formed
 dH/dT = Var_p(y)/T.
 
 Documented accuracy against float64 autodiff of the materialized math (tests in
-tests/test_api_guards.py and tests/test_entropy.py): relative Frobenius error per
-tensor (hidden, weight, bias) < 1e-5 with f32 inputs (also at the Qwen3 vocab),
-< 1e-2 with bf16 inputs; with the entropy in the loss, and for the temperature,
-< 1e-4 with f32 inputs.
+tests/test_api_guards.py, tests/test_entropy.py and tests/test_residuals.py): relative
+Frobenius error per tensor (hidden, weight, bias) < 1e-5 with f32 inputs (also at the
+Qwen3 vocab), < 1e-2 with bf16 inputs; with the entropy in the loss, and for the
+temperature, < 1e-4 with f32 inputs. Both residual modes meet these bounds.
+
+Residual modes (`linear_logp(..., residuals=)`). "recompute" (the default): the forward
+keeps hidden, the weight and per-row vectors (extra memory O(N*D + V*D)) and each chunk
+recomputes z: with the forward, four GEMM passes (forward, recompute, dh, dW).
+"logits": the forward also keeps its own FP32 logits (O(N*V) memory; on contract
+backends from the forward's `partials(..., return_logits=True)`, whose logp/lse/entropy
+bytes do not depend on return_logits, and with return_logits=True the returned array
+itself), passed here as `backward(logits=)`: each chunk reads its z from them (a
+dynamic slice, or a gather when only the real vocabulary's columns were kept) and runs
+the same dz formula, the same chunk walk and the same dh / dW GEMMs, so three passes.
+The fused dz kernel is not used in this mode: it recomputes z from hidden and the
+weight and has no logits input, so dz is formed by XLA from the saved logits (on
+pallas_sm90 too; rounded to the model dtype for the GEMMs as always).
+
+When are the two modes' gradient bytes identical? Both feed the same formula, so they
+are identical when the saved logits equal the recomputed ones bit for bit on every
+column below vocab_size and XLA compiles the shared part of the two programs alike.
+The first condition is a property of the backend: the recompute is an XLA einsum (f32:
+HIGHEST precision) on every backend today, while the reference forward walks K
+sequentially and pallas_sm90 accumulates in wgmma tiles, so the logits need not agree
+(with f32 inputs on XLA:CPU they differ in their last bits; with bf16 inputs, whose
+products are exact in f32, they were seen to agree there); they agree whenever every
+logit is exact in f32 (e.g. dyadic inputs whose products and sums need no rounding),
+the case tests/test_residuals.py checks. The second is a
+property of the compiler: XLA may round one elementwise formula differently in
+different fusions (it may contract a multiply and an add, or recompute dz inside a
+reduction's fusion), so identity is checked, not guaranteed: on XLA:CPU with exact
+logits the bytes of hidden, weight, bias and temperature gradients are identical in
+both layouts, f32 and bf16, with the entropy and a logits cotangent, for every chunking;
+calling `backward` directly with logits of the real vocabulary only (the gather),
+dh and dW are identical and db and the temperature's row sums agree to rounding
+(tests/test_residuals.py). Otherwise the modes are bounded: relative Frobenius
+difference per tensor <= 1e-5 with f32 inputs and <= 1e-2 with bf16 inputs (dz is
+rounded to bf16 for the GEMMs), the order of either mode's own error against float64.
+Each mode is deterministic run to run.
 """
 
 from __future__ import annotations
@@ -49,10 +89,9 @@ from detlogp_jax import vma
 DEFAULT_CHUNK = 8192  # bit-neutral for the forward; fixes the backward's sums
 
 
-def _chunking(v_rows: int, chunk: int):
-    chunk = min(chunk, v_rows)
-    n_chunks = -(-v_rows // chunk)
-    return chunk, n_chunks
+def _chunking(v_rows: int, chunk: int) -> int:
+    """The chunk length: `chunk`, or the whole vocabulary when it is shorter."""
+    return min(chunk, v_rows)
 
 
 def backward(
@@ -73,6 +112,7 @@ def backward(
     entropy=None,
     g_entropy=None,
     row_sums: bool = False,
+    logits=None,
 ):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
@@ -86,10 +126,22 @@ def backward(
     row_sums: also return the per-row sums the temperature gradient needs, as a
     fourth element (plp, var): plp = sum_j p_j lp_j (None when `entropy` is given),
     var = sum_j p_j (lp_j + H)^2 (None without `g_entropy`); see `inv_t_cotangent`.
+    logits: the residual mode (`residuals="logits"`): the forward's own unscaled FP32
+    logits [rows, Vs] (bias included; vocab_size <= Vs <= the weight's rows; columns at
+    or beyond vocab_size are never read for a gradient). Each chunk's dz is then formed
+    from them by the same formula, so no recompute GEMM runs, and `dz` is not used (it
+    has no logits input). The gradient bytes equal the recompute mode's exactly when
+    these logits equal the recomputed ones bit for bit (see the module docstring).
     """
     v_axis = 0 if weight_layout == "vd" else 1
     v_rows = weight.shape[v_axis]
-    chunk, n_chunks = _chunking(v_rows, chunk)
+    chunk = _chunking(v_rows, chunk)
+    if logits is not None:
+        if logits.ndim != 2 or logits.shape[0] != hidden.shape[0] or not 1 <= logits.shape[1] <= v_rows:
+            raise ValueError(
+                f"saved logits must be [rows = {hidden.shape[0]}, <= {v_rows}] (the forward's), got {logits.shape}"
+            )
+        logits = logits.astype(jnp.float32)
     live = (targets >= 0) & (targets < vocab_size)
     g_logp = jnp.where(live, g_logp, 0.0).astype(jnp.float32)  # dead rows get no logp gradient
     g_lse = g_lse.astype(jnp.float32)
@@ -101,6 +153,7 @@ def backward(
         entropy = entropy.astype(jnp.float32)
     fused_ok = (
         dz is not None
+        and logits is None
         and g_logits is None
         and not row_sums
         and (g_entropy is None or dz.entropy)
@@ -119,7 +172,6 @@ def backward(
             g_lse,
             vocab_size=vocab_size,
             chunk=chunk,
-            n_chunks=n_chunks,
             dz=dz,
             entropy=entropy,
             g_entropy=g_entropy,
@@ -136,13 +188,30 @@ def backward(
     want_plp = row_sums and entropy is None
     want_var = row_sums and g_entropy is not None
 
-    def dz_of(i, start, w_c, cols):
-        fresh = (cols >= i * chunk) & (cols < vocab_size)  # each column once; real vocab only
-        z = jnp.einsum(
-            "nd,vd->nv" if v_axis == 0 else "nd,dv->nv", hidden, w_c, preferred_element_type=jnp.float32, precision=prec
-        )
-        if bias is not None:
-            z = z + lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)[None, :]
+    def z_of(start, w_c, cols):
+        """The chunk's unscaled FP32 logits: recomputed, or read from the saved ones."""
+        if logits is None:
+            z = jnp.einsum(
+                "nd,vd->nv" if v_axis == 0 else "nd,dv->nv",
+                hidden,
+                w_c,
+                preferred_element_type=jnp.float32,
+                precision=prec,
+            )
+            if bias is not None:
+                z = z + lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)[None, :]
+            return z
+        if logits.shape[1] == v_rows:
+            return lax.dynamic_slice_in_dim(logits, start, chunk, axis=1)
+        # Saved columns end at Vs < v_rows (only the real vocabulary was kept): columns at
+        # or beyond Vs are padding (>= vocab_size), whose dz is 0 whatever is read there.
+        return jnp.take(logits, jnp.minimum(cols, logits.shape[1] - 1), axis=1)
+
+    def dz_of(fresh_from, start, w_c, cols):
+        fresh = cols < vocab_size  # real vocab only
+        if fresh_from is not None:  # the clamped last chunk: each column once
+            fresh = fresh & (cols >= fresh_from)
+        z = z_of(start, w_c, cols)
         lp = z * inv_t[:, None] - lse[:, None]
         p = jnp.where(fresh[None, :], jnp.exp(lp), 0.0)
         onehot = (cols[None, :] == targets[:, None]) & fresh[None, :]
@@ -163,10 +232,10 @@ def backward(
             dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
         return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype), sums  # bf16 operands for bf16 models
 
-    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy)
+    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
     n_sums = int(want_plp) + int(want_var)
     dh, dw, db, sums = _chunk_walk(
-        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, n_chunks, prec, operands, v_axis, n_sums
+        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, prec, operands, v_axis, n_sums
     )
     out = (dh.astype(hidden.dtype), dw, db)
     if not row_sums:
@@ -193,34 +262,45 @@ def inv_t_cotangent(inv_t, lse, logp, targets, vocab_size, g_logp, g_lse, entrop
     return acc / inv_t.astype(jnp.float32)
 
 
-def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_axis=0, n_sums=0):
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, v_axis=0, n_sums=0):
     """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
-    two runs give identical bytes): for chunk i (clamped to end at the last weight
-    row), dz, sums = dz_of(i, start, w_c, cols) with dz [rows, chunk] in the GEMM
-    dtype and `n_sums` per-row f32 sums over the chunk's fresh columns, then
-    dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] += sum_rows dz, and each row sum
-    is added to its accumulator in chunk order.
+    two runs give identical bytes). With v_rows = q * chunk + r: chunks i < q start at
+    i * chunk (a scan, no clamping); when r > 0 one last chunk, outside the scan, starts
+    at v_rows - chunk (a static offset) and its first chunk - r columns, seen already,
+    get no gradient. For each chunk, dz, sums = dz_of(fresh_from, start, w_c, cols) with
+    fresh_from None (every column is new) or the last chunk's first new column, dz
+    [rows, chunk] in the GEMM dtype and `n_sums` per-row f32 sums over the chunk's fresh
+    columns; then dh += dz @ w_c, dW[chunk] = dz.T @ h, db[chunk] = sum_rows dz, and
+    each row sum is added to its accumulator in chunk order. dW and db are written once
+    per row (no read-back of earlier values); only the last chunk's new rows are kept.
     Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None,
     the tuple of row sums).
     `operands`: every array dz depends on (the carries take their mesh axes under vma typing).
     `v_axis`: the weight's vocabulary axis (0: [V, D], 1: [D, V]; chunks are read in place)."""
     v_rows = weight.shape[v_axis]
+    n_full, tail = divmod(v_rows, chunk)
     wd = "vd" if v_axis == 0 else "dv"
+    out_dtype = jnp.float32 if weight.dtype == jnp.float32 else weight.dtype  # bf16 out, f32 accumulation
 
-    def body(carry, i):
-        dh, dw, db, acc = carry
-        start = jnp.minimum(i * chunk, v_rows - chunk)
+    def step(fresh_from, start, dh, acc):
         w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=v_axis)
         cols = start + jnp.arange(chunk)
-        dz, sums = dz_of(i, start, w_c, cols)
+        dz, sums = dz_of(fresh_from, start, w_c, cols)
         acc = tuple(a + s for a, s in zip(acc, sums))
         dh = dh + jnp.einsum(
             f"nv,{wd}->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec
         )
-        dw = _update_dw(dw, dz, hidden, start, cols >= i * chunk, prec, v_axis)
+        dw_c = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec)
+        db_c = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
+        return dh, acc, dw_c.astype(weight.dtype), db_c
+
+    def body(carry, i):
+        dh, dw, db, acc = carry
+        start = i * chunk
+        dh, acc, dw_c, db_c = step(None, start, dh, acc)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=v_axis)
         if db is not None:
-            prev_b = lax.dynamic_slice_in_dim(db, start, chunk)
-            db = lax.dynamic_update_slice_in_dim(db, prev_b + jnp.sum(dz.astype(jnp.float32), axis=0), start, axis=0)
+            db = lax.dynamic_update_slice_in_dim(db, db_c, start, axis=0)
         return (dh, dw, db, acc), None
 
     init = (
@@ -230,21 +310,15 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, n_chunks, prec, operands, v_
         tuple(jnp.zeros(hidden.shape[:1], jnp.float32) for _ in range(n_sums)),
     )
     init = vma.like(init, *operands)
-    (dh, dw, db, acc), _ = lax.scan(body, init, jnp.arange(n_chunks))
+    (dh, dw, db, acc), _ = lax.scan(body, init, jnp.arange(n_full))
+    if tail:  # the last chunk, clamped to end at the last row: its new rows only
+        first = n_full * chunk
+        dh, acc, dw_c, db_c = step(first, v_rows - chunk, dh, acc)
+        dw_new = lax.slice_in_dim(dw_c, chunk - tail, chunk, axis=v_axis)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_new, first, axis=v_axis)
+        if db is not None:
+            db = lax.dynamic_update_slice_in_dim(db, db_c[chunk - tail :], first, axis=0)
     return dh, dw, (None if bias is None else db.astype(bias.dtype)), acc
-
-
-def _update_dw(dw, dz, hidden, start, fresh_rows, prec, v_axis=0):
-    """dW[start:start+chunk] = dz.T @ h on rows seen for the first time (a clamped
-    last chunk overlaps the previous one; its repeated rows keep their value);
-    along the vocabulary axis `v_axis` of dW."""
-    chunk = dz.shape[1]
-    out_dtype = jnp.float32 if dw.dtype == jnp.float32 else dw.dtype  # bf16 out, f32 accumulation
-    wd = "vd" if v_axis == 0 else "dv"
-    dw_c = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec).astype(dw.dtype)
-    prev = lax.dynamic_slice_in_dim(dw, start, chunk, axis=v_axis)
-    fresh = fresh_rows[:, None] if v_axis == 0 else fresh_rows[None, :]
-    return lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh, dw_c, prev), start, axis=v_axis)
 
 
 def _backward_fused_dz(
@@ -259,7 +333,6 @@ def _backward_fused_dz(
     *,
     vocab_size,
     chunk,
-    n_chunks,
     dz,
     entropy=None,
     g_entropy=None,
@@ -295,11 +368,12 @@ def _backward_fused_dz(
     if g_entropy is not None:  # padding rows: c3 = 0, h = 0
         ent_kw = {"c3": padr(-inv_t * g_entropy), "h": padr(entropy)}
 
-    def dz_of(i, start, w_c, cols):
+    def dz_of(fresh_from, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
-        out = dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, i * chunk - start, vocab_size - start, **ent_kw)
+        lo = 0 if fresh_from is None else fresh_from - start  # relative: the first new column
+        out = dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, lo, vocab_size - start, **ent_kw)
         return out, ()
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
-    dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, n_chunks, None, operands)
+    dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands)
     return dh[:n].astype(hidden.dtype), dw, db

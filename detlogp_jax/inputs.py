@@ -11,6 +11,7 @@
   scale, with NaN in a row whose traced temperature is not positive and finite;
   it carries the derivative of 1/T, so the temperature is differentiable.
 * `tuning_key(tuning)` turns bit-neutral knobs into a hashable static key.
+* `check_residuals(residuals)` validates the backward's residual mode.
 * `record_provenance(...)` builds the provenance of a call and makes it the one
   `last_provenance()` reports.
 """
@@ -43,6 +44,23 @@ def check_layout(weight_layout) -> str:
             f"weight_layout must be 'vd' ([V, D], lm_head) or 'dv' ([D, V], a Flax kernel), got {weight_layout!r}"
         )
     return weight_layout
+
+
+# What the forward keeps for the backward (`detlogp_jax.grad`): "recompute" keeps hidden,
+# the weight and per-row vectors (O(N*D + V*D)) and the backward recomputes the logits
+# chunk by chunk; "logits" also keeps the forward's own FP32 logits (O(N*V)), so the
+# backward runs no recompute GEMM. The forward's bytes never depend on it.
+RESIDUALS = ("recompute", "logits")
+
+
+def check_residuals(residuals) -> str:
+    """The residual mode's name, or a ValueError for anything else."""
+    if not isinstance(residuals, str) or residuals not in RESIDUALS:
+        raise ValueError(
+            "residuals must be 'recompute' (the backward recomputes the logits chunk by chunk) or 'logits' "
+            f"(the forward keeps its FP32 logits [N, V] for the backward), got {residuals!r}"
+        )
+    return residuals
 
 
 def vocab_axis(weight_layout: str) -> int:

@@ -30,7 +30,8 @@ hidden gradient is summed over TP ranks in ascending rank order after an
 all_gather, the weight/bias shard gradients are psum-ed over row axes. The
 entropy's cotangent needs only the globally folded entropy; the temperature's
 needs per-row sums over the vocabulary, which are added over TP ranks in
-ascending rank order too.
+ascending rank order too. With `residuals="logits"` each rank's forward keeps
+its own FP32 logits shard and its backward forms dz from it (no recompute GEMM).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class TPConfig:
     tuning: tuple = ()
     weight_layout: str = "vd"  # "dv": the shards are [D, V_pad/tp] column blocks of a [D, V_pad] kernel
     return_entropy: bool = False  # also the entropy statistic (partials, gather, fold)
+    residuals: str = "recompute"  # "logits": the forward keeps its FP32 logits shard for the backward
 
     @property
     def v_axis(self) -> int:
@@ -133,14 +135,16 @@ class TPConfig:
 # --- per-rank forward ---------------------------------------------------------------
 
 
-def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset):
-    """The backend's partials for this rank's shard, with a static col_offset.
+def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offset, return_logits=None):
+    """The backend's partials for this rank's shard, with a static col_offset
+    (`return_logits`: None for `cfg.return_logits`).
 
     A traced offset (the usual case: axis_index * shard) dispatches through
     `lax.switch` to one branch per rank; each branch calls `partials` with its
     own static `col_offset = r * shard`, so backends may specialise on it.
     """
     kw = be.tuning_kwargs(cfg.tuning)
+    return_logits = cfg.return_logits if return_logits is None else return_logits
 
     def call(col_offset, h, w, b, t, it):
         return be.partials(
@@ -153,7 +157,7 @@ def _rank_partials(be, cfg: TPConfig, hidden, weight, bias, targets, inv_t, offs
             padded_vocab_size=cfg.padded_vocab_size,
             col_offset=col_offset,
             shard_cols=cfg.shard,
-            return_logits=cfg.return_logits,
+            return_logits=return_logits,
             **cfg.layout_kwargs(),
             **cfg.entropy_kwargs(),
             **kw,
@@ -185,11 +189,14 @@ def _gather_invariant(x, axis_name, *, axis, tiled):
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
 
-def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig):
+def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig, keep_logits: bool = False):
     """One rank: local partials -> all_gather (rank order) -> the backend's fold.
-    Returns (logp, lse, logits | None, entropy | None)."""
+    Returns (logp, lse, logits | None, entropy | None). keep_logits (the residual
+    mode's forward): the shard's logits come back without `cfg.return_logits` too, from
+    the same partials call (as the backend returns them; with return_logits, the
+    returned array itself, -inf at columns >= vocab_size)."""
     be = backends.get(cfg.backend)
-    parts = _rank_partials(be, cfg, hidden, weight, bias, targets, inv_t, offset)
+    parts = _rank_partials(be, cfg, hidden, weight, bias, targets, inv_t, offset, cfg.return_logits or keep_logits)
     m, s, z_t, owned, logits = parts[:5]
     # Tiled all_gather along the split axis: rank r's n_loc splits land at
     # [r*n_loc, (r+1)*n_loc): exactly the single-device [N, n_split] sequence.
@@ -207,7 +214,7 @@ def _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg: TPConfig):
         logp, lse, entropy = be.fold(m_all, s_all, z_sel, targets, inv_t, cfg.vocab_size, a=a_all)
     else:
         logp, lse = be.fold(m_all, s_all, z_sel, targets, inv_t, cfg.vocab_size)
-    if logits is not None:
+    if logits is not None and cfg.return_logits:
         cols = offset + jnp.arange(cfg.shard, dtype=jnp.int32)
         logits = jnp.where((cols < cfg.vocab_size)[None, :], logits, -jnp.inf)
     return logp, lse, logits, entropy
@@ -274,10 +281,14 @@ def _local_core_fwd(hidden, weight, bias, targets, inv_t, offset, cfg):
     (hidden, weight, bias, targets, inv_t, offset), perturbed = unwrap_primals(
         hidden, weight, bias, targets, inv_t, offset
     )
-    out = _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg)
-    logp, lse, _, entropy = out
+    keep = cfg.residuals == "logits"
+    out = _serve_local(hidden, weight, bias, targets, inv_t, offset, cfg, keep_logits=keep)
+    logp, lse, logits, entropy = out
+    if keep and not cfg.return_logits:  # kept for the backward only
+        out = (logp, lse, None, entropy)
     want_t = perturbed[4]  # the temperature gradient: keep logp (its presence says it is wanted)
-    return out, (hidden, weight, bias, targets, inv_t, offset, lse, entropy, logp if want_t else None)
+    saved = logits if keep else None
+    return out, (hidden, weight, bias, targets, inv_t, offset, lse, entropy, logp if want_t else None, saved)
 
 
 def _local_backward(
@@ -295,10 +306,12 @@ def _local_backward(
     entropy=None,
     g_entropy=None,
     row_sums=False,
+    logits=None,
 ):
     """This rank's (dh contribution, d weight shard, d bias shard) from the global lse
     (and the global entropy); with row_sums, also this shard's (plp, var) row sums
-    (`grad.backward`), to be added over the TP ranks."""
+    (`grad.backward`), to be added over the TP ranks. logits: the residual mode's saved
+    logits of this shard [rows, V_pad/tp] (then no recompute GEMM)."""
     off = offset
     # grad.backward works on one weight in local column coordinates. The
     # target's onehot belongs to its owner shard only; every shard carries the
@@ -328,6 +341,7 @@ def _local_backward(
         entropy=entropy,
         g_entropy=g_entropy,
         row_sums=row_sums,
+        logits=logits,
     )
 
 
@@ -344,7 +358,7 @@ def _zeros_if_none(g, like):
 
 
 def _local_core_bwd(cfg, res, cts):
-    hidden, weight, bias, targets, inv_t, offset, lse, entropy, logp = res
+    hidden, weight, bias, targets, inv_t, offset, lse, entropy, logp, saved = res
     g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
     want_t = logp is not None
     out = _local_backward(
@@ -362,6 +376,7 @@ def _local_core_bwd(cfg, res, cts):
         entropy,
         g_entropy,
         want_t,
+        saved,
     )
     dh, dw, db = out[:3]
     # hidden is replicated over the TP axis: its gradient is the sum of every
@@ -403,8 +418,10 @@ def _local_config(
     tuning,
     weight_layout="vd",
     return_entropy=False,
+    residuals="recompute",
 ):
     C.check_no_overrides(tuning)
+    inputs.check_residuals(residuals)
     v_axis = inputs.vocab_axis(weight_layout)
     if vocab_size is None or padded_vocab_size is None:
         raise ValueError("vocab_size and padded_vocab_size are required inside shard_map (the global geometry)")
@@ -441,6 +458,7 @@ def _local_config(
         tuning=inputs.tuning_key(tuning),
         weight_layout=weight_layout,
         return_entropy=bool(return_entropy),
+        residuals=residuals,
     )
     return cfg, offset
 
@@ -461,6 +479,7 @@ def linear_logp_local(
     tuning: dict | None = None,
     weight_layout: str = "vd",
     return_entropy: bool = False,
+    residuals: str = "recompute",
 ) -> LogpOutput:
     """Differentiable per-rank `linear_logp` for use inside the caller's `jax.shard_map`.
 
@@ -477,7 +496,9 @@ def linear_logp_local(
     `check_vma=True` (the loop carries and cotangents carry the mesh axes: the
     weight shard's gradient comes back summed over the axes it is replicated
     on) or with `check_vma=False` (then sum it over the row axes yourself), and
-    take gradients inside the shard_map body.
+    take gradients inside the shard_map body. residuals: as for `linear_logp`
+    ("logits": the forward keeps this rank's FP32 logits shard [N, V_pad/tp] for the
+    backward, which then runs no recompute GEMM).
     """
     lead = hidden.shape[:-1]
     n = math.prod(lead)
@@ -500,6 +521,7 @@ def linear_logp_local(
         tuning,
         weight_layout,
         return_entropy,
+        residuals,
     )
     t2 = inputs.narrow_targets(targets.reshape(n), cfg.vocab_size)
     inv_t = inputs.inv_temperature(temperature, n)
@@ -588,16 +610,18 @@ def _flat_rows(x, n_lead):
     return x.reshape((math.prod(lead),) + x.shape[n_lead:])
 
 
-def _tp_forward(hidden, weight, bias, targets, inv_t, cfg: TPConfig, mesh, row_entries):
-    """Forward as one shard_map: per-rank partials, all_gather, fold (no reductions)."""
+def _tp_forward(hidden, weight, bias, targets, inv_t, cfg: TPConfig, mesh, row_entries, keep_logits=False):
+    """Forward as one shard_map: per-rank partials, all_gather, fold (no reductions).
+    keep_logits: the logits come back without `cfg.return_logits` too (`_serve_local`)."""
     sp = _specs(cfg, row_entries)
     has_bias = bias is not None
+    with_logits = cfg.return_logits or keep_logits
 
     def body(h, w, t, it, *b):
         lead = h.shape[:-1]
         offset = (lax.axis_index(cfg.axis_name) * cfg.shard).astype(jnp.int32)
         logp, lse, logits, entropy = _serve_local(
-            _flat_rows(h, len(lead)), w, b[0] if b else None, t.reshape(-1), it.reshape(-1), offset, cfg
+            _flat_rows(h, len(lead)), w, b[0] if b else None, t.reshape(-1), it.reshape(-1), offset, cfg, keep_logits
         )
         if logits is not None:
             logits = logits.reshape(lead + (cfg.shard,))
@@ -609,7 +633,7 @@ def _tp_forward(hidden, weight, bias, targets, inv_t, cfg: TPConfig, mesh, row_e
     out_specs = (
         sp["rows"],
         sp["rows"],
-        sp["logits"] if cfg.return_logits else None,
+        sp["logits"] if with_logits else None,
         sp["rows"] if cfg.return_entropy else None,
     )
     # check_vma=False: backends need not carry manual-axis types; logp/lse are
@@ -620,13 +644,14 @@ def _tp_forward(hidden, weight, bias, targets, inv_t, cfg: TPConfig, mesh, row_e
 
 def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
     """(dh, dW, db, d inv_t | None) of the global TP entry, one shard_map."""
-    hidden, weight, bias, targets, inv_t, lse, entropy, logp = res
+    hidden, weight, bias, targets, inv_t, lse, entropy, logp, saved = res
     g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
     g_logp_nz, g_lse_nz = g_logp, g_lse
     g_logp, g_lse = _zeros_if_none(g_logp, lse), _zeros_if_none(g_lse, lse)
     sp = _specs(cfg, row_entries)
     has_bias = bias is not None
     has_gl = g_logits is not None
+    has_saved = saved is not None
     want_t = logp is not None
     # Optional row vectors, in this order: the forward's entropy, its cotangent, logp.
     opt = [("entropy", entropy), ("g_entropy", g_entropy), ("logp", logp if want_t else None)]
@@ -636,6 +661,7 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
     def body(h, w, t, it, lse_rows, gp, gs, *rest):
         rest = list(rest)
         gl = rest.pop(0) if has_gl else None
+        z = rest.pop(0) if has_saved else None
         b = rest.pop(0) if has_bias else None
         rows = {k: rest.pop(0).reshape(-1) for k, _ in opt}
         lead = h.shape[:-1]
@@ -657,6 +683,7 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
             rows.get("entropy"),
             rows.get("g_entropy"),
             want_t,
+            None if z is None else _flat_rows(z, n_lead),
         )
         dh, dw, db = out[:3]
         # hidden is replicated over TP: add the shards' contributions in
@@ -689,6 +716,9 @@ def _tp_backward(cfg: TPConfig, mesh, row_entries, res, cts):
     if has_gl:
         in_specs += (sp["logits"],)
         args.append(g_logits)
+    if has_saved:  # the residual mode's logits, sharded like the returned ones
+        in_specs += (sp["logits"],)
+        args.append(saved)
     if has_bias:
         in_specs += (sp["bias"],)
         args.append(bias)
@@ -711,10 +741,14 @@ def _tp_core(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries):
 
 def _tp_core_fwd(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries):
     (hidden, weight, bias, targets, inv_t), perturbed = unwrap_primals(hidden, weight, bias, targets, inv_t)
-    out = _tp_forward(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries)
-    logp, lse, _, entropy = out
+    keep = cfg.residuals == "logits"
+    out = _tp_forward(hidden, weight, bias, targets, inv_t, cfg, mesh, row_entries, keep_logits=keep)
+    logp, lse, logits, entropy = out
+    if keep and not cfg.return_logits:  # kept for the backward only
+        out = (logp, lse, None, entropy)
     want_t = perturbed[4]
-    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None)
+    saved = logits if keep else None
+    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None, saved)
 
 
 def _tp_core_bwd(cfg, mesh, row_entries, res, cts):
@@ -752,6 +786,7 @@ def linear_logp_tp(
     tuning: dict | None = None,
     weight_layout: str = "vd",
     return_entropy: bool = False,
+    residuals: str = "recompute",
 ) -> LogpOutput:
     """Tensor/context-parallel `linear_logp` over `mesh`.
 
@@ -772,8 +807,12 @@ def linear_logp_tp(
     (sharded like logp). logp/lse/entropy bytes equal single-device
     `linear_logp(..., padded_vocab_size=V_pad)` for every aligned TP degree and
     row sharding. Differentiable w.r.t. hidden, weight, bias and the temperature.
+    residuals: as for `linear_logp` ("logits": each rank's forward keeps its FP32 logits
+    shard [N, V_pad/tp] for the backward, which then runs no recompute GEMM; with
+    return_logits=True the returned shards themselves).
     """
     C.check_no_overrides(tuning)
+    inputs.check_residuals(residuals)
     if tp_axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {tp_axis!r} (axes: {tuple(mesh.shape)})")
     v_axis = inputs.vocab_axis(weight_layout)
@@ -829,6 +868,7 @@ def linear_logp_tp(
         tuning=inputs.tuning_key(tuning),
         weight_layout=weight_layout,
         return_entropy=return_entropy,
+        residuals=residuals,
     )
     inv_t = inputs.inv_temperature(temperature, n).reshape(lead)
     t = inputs.narrow_targets(targets, vocab)

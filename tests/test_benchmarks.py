@@ -292,3 +292,38 @@ def test_dv_weight_layout_sweep():
         vd = jax.jit(cases.build(dataclasses.replace(spec, weight_layout="vd")))(h, w_vd, t)
         for k in ("logp", "lse"):
             assert np.array_equal(np.asarray(dv[k]).view(np.uint32), np.asarray(vd[k]).view(np.uint32)), k
+
+
+def test_residuals_option_for_fwd_bwd():
+    """--residuals logits (fwd_bwd): the library backends run linear_logp(residuals="logits"),
+    with the recompute mode's logp/lse bytes and gradients within the f32 accuracy; the
+    runner reports temp/peak memory per case; the option is refused outside fwd_bwd."""
+    try:
+        run.FLAGS(["run", "--shape=tiny", "--ms=8", "--mode=fwd_bwd", "--residuals=logits", "--backends=reference,xla"])
+        cfg = run.config_from_flags()
+    finally:
+        run.FLAGS.unparse_flags()
+    assert cfg.residuals == "logits" and cfg.out_path().endswith("_fwd_bwd_res-logits_cpu.json")
+    assert cfg.spec("reference").residuals == "logits"
+    with pytest.raises(ValueError, match="fwd_bwd"):
+        run.RunConfig(shape=shapes.get("tiny"), mode="fwd", residuals="logits")
+    with pytest.raises(ValueError, match="residuals"):
+        cases.CaseSpec("reference", shapes.get("tiny"), mode="fwd_bwd", residuals="saved")
+    cfg = run.RunConfig(**{**cfg.__dict__, "warmup": 1, "iters": 2, "dtype": "f32"})
+    doc = run.run(cfg)
+    assert doc["config"]["residuals"] == "logits"
+    got = _cases(doc)
+    for b in ("reference", "xla"):
+        c = got[(b, 8)]
+        assert c["status"] == "ok" and c["run_to_run"] == "bitwise-identical", c
+        assert c["compiled_memory"]["temp_bytes"] is not None and "peak_bytes_in_use" in c["device_memory"]
+    w = run.make_weight(cfg)
+    h, t = run.make_inputs(cfg, 8)[0]
+    spec = cfg.spec("reference")
+    a = jax.jit(cases.build(spec))(h, w, t)
+    r = jax.jit(cases.build(dataclasses.replace(spec, residuals="recompute")))(h, w, t)
+    for k in ("logp", "lse"):
+        assert np.array_equal(np.asarray(a[k]).view(np.uint32), np.asarray(r[k]).view(np.uint32)), k
+    for k in ("d_hidden", "d_weight"):
+        x, y = np.asarray(a[k], np.float64), np.asarray(r[k], np.float64)
+        assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(y), k

@@ -234,6 +234,58 @@ def test_dv_head_on_a_tp_mesh_matches_the_unsharded_head():
     assert_bitwise_equal(head(h, t).logp, plain(h, t).logp, "tp dv logp")
 
 
+def test_residual_mode_as_a_module_option_and_per_call():
+    """residuals="logits" on the head (and per call, either way) reaches linear_logp and the
+    TP entry: the same forward bytes, and the op's gradient bytes in the chosen mode."""
+    h, t = _data()
+    head = LogpHead(D, V, use_bias=True, backend="reference", residuals="logits", rngs=nnx.Rngs(0))
+    head.bias[...] = jax.random.normal(jax.random.PRNGKey(5), (V,)) * 0.1
+    assert head.residuals == "logits" and LogpHead(D, V, rngs=nnx.Rngs(0)).residuals == "recompute"
+    kw = dict(bias=head.bias[...], vocab_size=V, padded_vocab_size=512, backend="reference", return_entropy=True)
+
+    def op_grads(mode):
+        def f(w, b):
+            o = linear_logp(h, w, t, **dict(kw, bias=b), residuals=mode)
+            return jnp.sum(o.logp) + 0.3 * jnp.sum(o.entropy)
+
+        return jax.grad(f, argnums=(0, 1))(head.kernel[...], head.bias[...])
+
+    def head_grads(m, **call):
+        def f(m):
+            o = m(h, t, return_entropy=True, **call)
+            return jnp.sum(o.logp) + 0.3 * jnp.sum(o.entropy)
+
+        g = nnx.grad(f)(m)
+        return g.weight[...], g.bias[...]
+
+    want = {mode: op_grads(mode) for mode in ("recompute", "logits")}
+    # the modes' bytes differ here (the saved and the recomputed logits round apart), so
+    # equal bytes below say which mode ran
+    assert any((np.asarray(a) != np.asarray(b)).any() for a, b in zip(want["recompute"], want["logits"]))
+    plain = LogpHead(D, V, use_bias=True, backend="reference", rngs=nnx.Rngs(0))
+    plain.bias[...] = head.bias[...]
+    for got, mode in (
+        (head_grads(head), "logits"),
+        (head_grads(head, residuals="recompute"), "recompute"),
+        (head_grads(plain), "recompute"),
+        (head_grads(plain, residuals="logits"), "logits"),
+    ):
+        for a, b in zip(got, want[mode]):
+            assert_bitwise_equal(a, b, f"head gradient, {mode}")
+    assert_bitwise_equal(head(h, t).logp, plain(h, t).logp, "forward bytes")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    tp = LogpHead(
+        D, V, use_bias=True, mesh=mesh, tp_axis="tp", backend="reference", residuals="logits", rngs=nnx.Rngs(0)
+    )
+    tp.kernel[...] = jnp.pad(head.kernel[...], ((0, 512 - V), (0, 0)))
+    tp.bias[...] = jnp.pad(head.bias[...], (0, 512 - V))
+    gw, gb = head_grads(tp)
+    np.testing.assert_allclose(np.asarray(gw)[:V], np.asarray(want["logits"][0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gb)[:V], np.asarray(want["logits"][1]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="residuals must be"):
+        LogpHead(D, V, residuals="saved", rngs=nnx.Rngs(0))
+
+
 def test_readme_spelling_of_the_flax_head_works_in_a_fresh_process():
     """`import detlogp_jax as dl; dl.flax.LogpHead(...)`, as the README writes it, with nothing
     imported before (documented submodules are lazy attributes of the package)."""

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from detlogp_jax import api
+from detlogp_jax import api, inputs
 from detlogp_jax import contract as C
 from detlogp_jax.api import LogpOutput
 from sharding import linear_logp_tp
@@ -68,6 +68,9 @@ class LogpHead(nnx.Module):
       mesh / tp_axis: shard weight rows over `mesh` axis `tp_axis` and route
         to `sharding.linear_logp_tp`.
       checked: forwarded to `linear_logp` (raise on out-of-range targets).
+      residuals: what the forward keeps for the backward (`linear_logp`): "recompute"
+        (default) or "logits" (its FP32 logits [N, V]: no recompute GEMM in the
+        backward, O(N * V) memory); a call may override it.
       rngs: `nnx.Rngs` (needs a `params` stream; unused when tied w/o bias).
     """
 
@@ -90,8 +93,10 @@ class LogpHead(nnx.Module):
         mesh: jax.sharding.Mesh | None = None,
         tp_axis: str | None = None,
         checked: bool | None = None,
+        residuals: str = "recompute",
         rngs: nnx.Rngs | None = None,
     ):
+        inputs.check_residuals(residuals)
         if (mesh is None) != (tp_axis is None):
             raise ValueError("mesh and tp_axis go together (both or neither)")
         if weight_layout not in ("vd", "dv"):
@@ -135,6 +140,7 @@ class LogpHead(nnx.Module):
         self.backend = backend
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.checked = checked
+        self.residuals = residuals
         self.mesh = mesh
         self.tp_axis = tp_axis
         self.tied = tied_embedding is not None
@@ -212,6 +218,7 @@ class LogpHead(nnx.Module):
         return_logits: bool = False,
         backend: str | None = None,
         return_entropy: bool = False,
+        residuals: str | None = None,
     ) -> LogpOutput:
         """LogpOutput(logp, lse, logits|None, provenance, entropy|None) of `targets` under this head.
 
@@ -219,6 +226,7 @@ class LogpHead(nnx.Module):
         (-100 = ignore). `backend` overrides the module's backend for one call.
         return_entropy: also the per-row entropy of softmax(logits / T) over the real
         vocabulary (`linear-logp-entropy-v1`; differentiable, e.g. for an entropy bonus).
+        residuals: overrides the module's residual mode for one call ("recompute" | "logits").
         """
         w, b = self.arrays()
         if hidden.dtype != w.dtype:
@@ -232,6 +240,7 @@ class LogpHead(nnx.Module):
             backend=self.backend if backend is None else backend,
             weight_layout=self.weight_layout,
             return_entropy=return_entropy,
+            residuals=self.residuals if residuals is None else residuals,
         )
         if self.mesh is not None and kw["backend"] != "xla":  # the XLA lane has no TP form: it runs unsharded
             out = linear_logp_tp(hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw)
