@@ -12,6 +12,9 @@ lm_head layout) or "dv" (the [D, V_rows] Flax/Tunix kernel, made once by
 the library backends read it in place; xla_chunked and gemm take "vd" only). Modes: fwd, or fwd_bwd = value_and_grad
 w.r.t. hidden and weight of sum(logp) (for gemm: of 0.5 * sum(z**2), so the
 backward is two real GEMMs rather than a broadcast XLA could simplify away).
+Entropy (library backends): a case may also ask for the per-row entropy
+(`return_entropy=True`, `linear-logp-entropy-v1`); its label is "<backend>+entropy"
+(`benchmarks.run --entropy` times both in one run).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ MODES = ("fwd", "fwd_bwd")
 WEIGHT_LAYOUTS = ("vd", "dv")
 
 # Outputs with one row per input row: these are what the batch-invariance probe compares.
-FORWARD_ROW_FIELDS = ("logp", "lse", "logits")
+FORWARD_ROW_FIELDS = ("logp", "lse", "logits", "entropy")
 GRAD_ROW_FIELDS = ("d_hidden",)
 
 CaseFn = Callable[[jax.Array, jax.Array, jax.Array], dict]
@@ -52,6 +55,7 @@ class CaseSpec:
     chunk_block: int = baselines.DEFAULT_BLOCK
     tuning: tuple = ()  # bit-neutral knobs for linear_logp, as sorted (key, value) pairs
     weight_layout: str = "vd"  # "vd": W [V_rows, D]; "dv": W.T [D, V_rows] (a Flax kernel)
+    entropy: bool = False  # also return the entropy (return_entropy=True; library backends only)
 
     def __post_init__(self):
         if self.backend not in ALL_BACKENDS:
@@ -60,10 +64,17 @@ class CaseSpec:
             raise ValueError(f"entry must be in {ENTRIES} and mode in {MODES}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be in {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
+        if self.entropy and self.backend not in LIBRARY_BACKENDS:
+            raise ValueError(f"entropy cases need a library backend {LIBRARY_BACKENDS}, got {self.backend!r}")
 
     @property
     def serving(self) -> bool:
         return self.entry == "serving"
+
+    @property
+    def label(self) -> str:
+        """The case's name in results: the backend, "+entropy" for an entropy case."""
+        return self.backend + ("+entropy" if self.entropy else "")
 
 
 def unavailable_reason(backend: str) -> str | None:
@@ -79,13 +90,18 @@ def unavailable_reason(backend: str) -> str | None:
         return f"unavailable ({type(e).__name__}: {e})"
 
 
-def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd") -> str | None:
+def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd", entropy: bool = False) -> str | None:
     """Why a backend cannot serve these operands (None if it can); no silent fallback."""
     if backend not in LIBRARY_BACKENDS:
         return None if weight_layout == "vd" else f"{backend} takes a [V, D] weight only (weight_layout='vd')"
     be = detlogp_backends.get(backend)
     if weight_layout not in be.layouts:
         return f"{backend} does not read a weight_layout={weight_layout!r} weight in place"
+    if entropy and not be.entropy:
+        return (
+            f"{backend} does not declare the entropy (return_entropy=True is refused; for pallas_sm90 before "
+            "pallas_kernels.backend.ENTROPY_VALIDATED: run through tests/gpu/with_entropy.py)"
+        )
     ok, why = be.supports(hidden, weight) if weight_layout == "vd" else be.supports(hidden, weight, weight_layout)
     return None if ok else f"{backend} cannot serve this call: {why}"
 
@@ -108,10 +124,13 @@ def _library_forward(spec: CaseSpec) -> CaseFn:
                 backend=spec.backend,
                 tuning=dict(spec.tuning) or None,
                 weight_layout=spec.weight_layout,
+                **({"return_entropy": True} if spec.entropy else {}),
             )
         res = {"logp": out.logp, "lse": out.lse}
         if spec.serving:
             res["logits"] = out.logits
+        if spec.entropy:
+            res["entropy"] = out.entropy
         return res
 
     return fn
