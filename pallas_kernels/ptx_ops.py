@@ -42,6 +42,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import numerics
@@ -209,7 +210,18 @@ class PtxOps:
 class InterpretOps(numerics.XlaOps):
     """mul/add/sub for interpret mode: `numerics.XlaOps` (each result pinned behind
     an opaque xor) plus the kernel's `exp_diff` entry point (and the entropy's
-    `exp`, `entropy_term`, `rcp`, `flush`, as `numerics` computes them)."""
+    `exp`, `entropy_term`, `rcp`, `flush`, as `numerics` computes them).
+
+    The pin is an integer add of the opaque zero, not `numerics.XlaOps`' xor: a kernel
+    sum that starts from a constant +0 (the fold's row loop) has its first add dropped by
+    XLA's simplifier (`0 + x -> x`), and then the xor pins of x and of that add cancel
+    (`x ^ z ^ z == x`), so LLVM saw x's product feed the next add and contracted the two
+    into an FMA (XLA:CPU, found by the entropy's row-loop fold test); adds of z do not
+    cancel. (The values are the same: z is zero at run time.)"""
+
+    def _pin(self, v):
+        bits = lax.bitcast_convert_type(v, jnp.uint32) + self._zero
+        return lax.bitcast_convert_type(bits, F32)
 
     def exp_diff(self, a, b):
         """pexp(fl(a - b)) via numerics.pexp (the spec implementation)."""
