@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle, reference
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import fold_problem
+from tests.pallas_cases import entropy_fold_problem
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import sm90_fold, tuning  # noqa: E402
@@ -311,19 +311,6 @@ def test_kernel_entropy_dv_layout_and_tp_shards():
     _same(np.concatenate([p[1] for p in parts], 1), full[1], "S shards")
 
 
-def _entropy_problem(n, ns, v, seed):
-    """fold_problem's partials and an A for them: A = -S * U(0, 6) (A <= 0 as the chain makes it),
-    -0 and +0 zeros, A = 0 where S = 0, a NaN A, a NaN-free row with a dominant split."""
-    m, s, z_t, t, inv_t = fold_problem(n, ns, v, seed=seed)
-    rng = np.random.default_rng(seed + 1000)
-    a = (-s * rng.uniform(0, 6, (n, ns))).astype(np.float32)
-    a[s == 0] = 0.0
-    a[9, :] = np.float32(-0.0)  # zero-sign zeros: S terms are nonzero
-    a[10, ns // 2] = np.nan
-    a[11, :] = oracle.f_mul(s[11, :], np.float32(-1e-30))  # tiny statistics (products underflow in the rescale)
-    return m, s, a, z_t, t, inv_t
-
-
 _FOLD_VARIANTS = [
     pytest.param({}, id="default"),
     pytest.param({"chunk": 4}, id="staged-chunk4", marks=pytest.mark.slow),
@@ -339,7 +326,7 @@ def test_fold_entropy_split_counts_equal_oracle(n_split, knobs):
     fold's groups / chunks, over 3 row blocks, every edge row of fold_problem: logp/lse ==
     oracle.fold (and the fold without A), entropy == oracle.fold_entropy == reference.fold."""
     n, v = 70, 1000
-    m, s, a, z_t, t, inv_t = _entropy_problem(n, n_split, v, seed=n_split)
+    m, s, a, z_t, t, inv_t = entropy_fold_problem(n, n_split, v, seed=n_split)
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     logp, lse, ent = pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True, **knobs)
     _same(logp, rl, "logp")
@@ -356,7 +343,7 @@ def test_fold_entropy_falls_back_to_the_row_loop_where_a_does_not_fit():
     assert sm90_fold.staged_fits(600) and not sm90_fold.staged_fits(600, entropy=True)
     assert sm90_fold.staged_fits(264, entropy=True)
     n, v = 16, 151936
-    m, s, a, z_t, t, inv_t = _entropy_problem(n, 600, v, seed=6)
+    m, s, a, z_t, t, inv_t = entropy_fold_problem(n, 600, v, seed=6)
     logp, lse, ent = pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True)
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     _same(logp, rl, "logp")
