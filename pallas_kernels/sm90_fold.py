@@ -65,6 +65,15 @@ config is `tuning.FOLD`):
 * staged=False: the previous layout, one row per thread (FOLD_ROWS = 128
   rows per CTA), both passes loading m_j / s_j straight from global memory,
   `unroll` splits per loop trip. Kept for timing comparisons; same bits.
+
+The entropy (`fold(..., a=A)`, `build(entropy=True)`; `linear-logp-entropy-v1`):
+both layouts also take the statistic A [N, n_split]; pass 2 forms each split's
+rescaled term resc(A_j, S_j, m_j, M, w_j) from the S_j it read (staged: written
+over A_j in a third SMEM array, so fewer splits fit: `staged_fits(..., entropy=True)`),
+the chain adds A = fl(A + term_j) in the same ascending steps as S, and the
+epilogue forms h = fl(plog(S) - fl(A * rcp(S))) (plog shared with the lse, rcp one
+`div.rn.ftz.f32`), +0 where h < 0. Without A the kernels are exactly the ones
+built before the statistic existed (benchmarks/mosaic_ir_hashes.py).
 """
 
 from __future__ import annotations

@@ -47,6 +47,11 @@ tests/gpu/h200_layout.sh).
 
 `sm90_forward_ws` (the decode and prefill buckets) is the same work items and
 bits with the chain in dedicated epilogue warpgroups fed through shared memory.
+
+Entropy (`build(return_entropy=True)`, static): the chain also carries the entropy
+statistic A of `linear-logp-entropy-v1` (docs/CONTRACT.md section 9) in the pipeline
+carry and stores it per (split, row) after z_t; without it the kernel is the one
+built before the statistic existed (benchmarks/mosaic_ir_hashes.py).
 """
 
 from __future__ import annotations

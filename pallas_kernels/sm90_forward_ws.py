@@ -42,6 +42,11 @@ read in place, slots [tile_k, 64 w], wgmma reads the slot as an N-major B): the
 same bytes land in a slot's operand view, the same instructions run, so both
 layouts are to give the same bits (to be confirmed on the H200).
 
+Entropy (`build(return_entropy=True)`, static): the epilogue warpgroups' chain also
+carries the entropy statistic A (`tile_math.chain_tile_sliced(..., a=)`: u reduced
+from the same slices with the tree of e) and stores it after z_t; the producer and
+wgmma warpgroups are unchanged.
+
 Shared memory: stages * (rows + 64 w) * 2 * tile_k bytes for the ring plus
 num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
 2 x 64 rows, tile_k = 64: 3 stages = 120 KiB + 96 KiB).

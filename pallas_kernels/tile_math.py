@@ -3,7 +3,9 @@
 Everything here is shared by the GPU path (ops = `PtxOps`, reductions by
 Mosaic GPU's warp shuffles) and the interpret path (ops = `InterpretOps`,
 XLA:CPU). Each function states which contract step it implements; the
-oracle (`detlogp_jax.oracle`) is the specification.
+oracle (`detlogp_jax.oracle`) is the specification. The entropy statistic of
+`linear-logp-entropy-v1` (`chain_tile(..., a=)`, `chain_tile_sliced(..., a=)`,
+`entropy_lanes`, `rescale_a`) is traced only in kernels built with it.
 """
 
 from __future__ import annotations
