@@ -62,7 +62,7 @@ def _problem(n, d, vl, v, *, bias=True, seed=0):
         bb[200] = 9.0  # a strong column (a peaked row)
         b = jnp.asarray(bb)
     t = rng.integers(0, v, n).astype(np.int32)
-    t[:5] = [C.IGNORE_INDEX, v - 1, v + 3, vl + 5, -7]
+    t[: min(n, 5)] = [C.IGNORE_INDEX, v - 1, v + 3, vl + 5, -7][:n]
     temp = rng.uniform(0.5, 1.6, n).astype(np.float32)
     return h, w, b, t, temp, oracle.inv_temperature(temp, n)
 
@@ -242,8 +242,7 @@ def test_kernel_entropy_multi_tile_splits(monkeypatch, bucket, force_w1):
     w = 2 the two tiles share a group (the epilogue's loop), with w forced to 1 they are two
     groups (the pipeline / hand-off carry). (m, S, A) == oracle; fold entropy == oracle."""
     n, d, v, vp = 3, 128, 17300, 17408
-    h, w, b, t, temp, inv_t = _problem(n, d, v, v, seed=5)
-    t[2] = v - 1  # (n = 3: the edge targets are ignore, v - 1 and the last)
+    h, w, b, t, temp, inv_t = _problem(n, d, v, v, seed=5)  # targets: ignore, v - 1, v + 3 (not owned)
     if force_w1:
         monkeypatch.setattr(tuning, "tiles_per_group", lambda sizes: 1)
     m, s, z_t, owned, logits, a = _partials(
