@@ -16,6 +16,10 @@ Residuals (fwd_bwd, library backends): "recompute" (the default: the backward
 recomputes the logits chunk by chunk) or "logits" (`linear_logp(residuals="logits")`:
 the forward keeps its FP32 logits [M, V] and the backward runs only the dh / dW GEMMs);
 the xla lane's plain autodiff ignores it.
+
+Entropy (library backends): a case may also ask for the per-row entropy
+(`return_entropy=True`, `linear-logp-entropy-v1`); its label is "<backend>+entropy"
+(`benchmarks.run --entropy` times both in one run).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ RESIDUALS = ("recompute", "logits")
 WEIGHT_LAYOUTS = ("vd", "dv")
 
 # Outputs with one row per input row: these are what the batch-invariance probe compares.
-FORWARD_ROW_FIELDS = ("logp", "lse", "logits")
+FORWARD_ROW_FIELDS = ("logp", "lse", "logits", "entropy")
 GRAD_ROW_FIELDS = ("d_hidden",)
 
 CaseFn = Callable[[jax.Array, jax.Array, jax.Array], dict]
@@ -58,6 +62,7 @@ class CaseSpec:
     tuning: tuple = ()  # bit-neutral knobs for linear_logp, as sorted (key, value) pairs
     weight_layout: str = "vd"  # "vd": W [V_rows, D]; "dv": W.T [D, V_rows] (a Flax kernel)
     residuals: str = "recompute"  # linear_logp(residuals=): what the forward keeps for the backward
+    entropy: bool = False  # also return the entropy (return_entropy=True; library backends only)
 
     def __post_init__(self):
         if self.backend not in ALL_BACKENDS:
@@ -70,10 +75,17 @@ class CaseSpec:
             raise ValueError(f"residuals must be in {RESIDUALS}, got {self.residuals!r}")
         if self.residuals != "recompute" and self.mode != "fwd_bwd":
             raise ValueError(f"residuals={self.residuals!r} changes only the backward: use it with mode='fwd_bwd'")
+        if self.entropy and self.backend not in LIBRARY_BACKENDS:
+            raise ValueError(f"entropy cases need a library backend {LIBRARY_BACKENDS}, got {self.backend!r}")
 
     @property
     def serving(self) -> bool:
         return self.entry == "serving"
+
+    @property
+    def label(self) -> str:
+        """The case's name in results: the backend, "+entropy" for an entropy case."""
+        return self.backend + ("+entropy" if self.entropy else "")
 
 
 def unavailable_reason(backend: str) -> str | None:
@@ -89,13 +101,18 @@ def unavailable_reason(backend: str) -> str | None:
         return f"unavailable ({type(e).__name__}: {e})"
 
 
-def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd") -> str | None:
+def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd", entropy: bool = False) -> str | None:
     """Why a backend cannot serve these operands (None if it can); no silent fallback."""
     if backend not in LIBRARY_BACKENDS:
         return None if weight_layout == "vd" else f"{backend} takes a [V, D] weight only (weight_layout='vd')"
     be = detlogp_backends.get(backend)
     if weight_layout not in be.layouts:
         return f"{backend} does not read a weight_layout={weight_layout!r} weight in place"
+    if entropy and not be.entropy:
+        return (
+            f"{backend} does not declare the entropy (return_entropy=True is refused; for pallas_sm90 before "
+            "pallas_kernels.backend.ENTROPY_VALIDATED: run through tests/gpu/with_entropy.py)"
+        )
     ok, why = be.supports(hidden, weight) if weight_layout == "vd" else be.supports(hidden, weight, weight_layout)
     return None if ok else f"{backend} cannot serve this call: {why}"
 
@@ -121,10 +138,13 @@ def _library_forward(spec: CaseSpec) -> CaseFn:
                 tuning=dict(spec.tuning) or None,
                 weight_layout=spec.weight_layout,
                 residuals=spec.residuals,
+                **({"return_entropy": True} if spec.entropy else {}),
             )
         res = {"logp": out.logp, "lse": out.lse}
         if spec.serving:
             res["logits"] = out.logits
+        if spec.entropy:
+            res["entropy"] = out.entropy
         return res
 
     return fn

@@ -2,6 +2,8 @@
 
     python -m benchmarks.mosaic_ir_hashes > before.txt   # edit the kernels ...
     python -m benchmarks.mosaic_ir_hashes > after.txt && diff before.txt after.txt
+    python -m benchmarks.mosaic_ir_hashes base      # only the variants without the entropy
+    python -m benchmarks.mosaic_ir_hashes entropy   # only the entropy variants
 
 Lowers each kernel variant for CUDA (the whole Python half of Mosaic GPU runs on a
 CPU-only machine) and prints the sha256 of its Mosaic module printed without debug
@@ -16,6 +18,13 @@ their lines say `dv`, the [V, D] lines are named as before); the backward's dz
 kernel; both fold layouts. Each kernel is built through its module's public `build`
 with the static arguments `pallas_kernels.wrapper.partials` (or `sm90_dz.dz_chunk`,
 `pk.fold`) would pass.
+
+After those (the "base" set) come the kernels built with the entropy statistic
+(`linear-logp-entropy-v1`: `return_entropy=True`, `pk.fold(..., a=)`), lines marked
+`entropy`: the same forward variants at the Qwen3-8B [V, D] shape and the small
+shape, the [D, V] variants at the Qwen3-8B shape without bias, and both fold layouts.
+The base lines are the programs built before the statistic existed (a kernel built
+without it must not change when it is added).
 """
 
 from __future__ import annotations
@@ -72,20 +81,30 @@ def _forward_build(cfg):
     return (sm90_forward_ws if isinstance(cfg, tuning.WsForwardConfig) else sm90_forward_wgmma).build
 
 
-def forward_hashes():
+def _forward_configs():
     configs = dict(tuning.BUCKETS)
     configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
     configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
-    shapes = [("vd", 4096, 4096, 151936, 152064), ("vd", 72, 192, 1000, 1024), ("dv", 4096, 4096, 151936, 152064)]
-    for layout, m, d, v, v_rows in shapes:
+    return configs
+
+
+SHAPES = [("vd", 4096, 4096, 151936, 152064), ("vd", 72, 192, 1000, 1024), ("dv", 4096, 4096, 151936, 152064)]
+
+
+def forward_hashes(entropy: bool = False):
+    configs = _forward_configs()
+    for layout, m, d, v, v_rows in SHAPES:
         geom = pk.shard_geometry(v, v_rows)
         w_shape = (d, v_rows) if layout == "dv" else (v_rows, d)
         # The [V, D] variants keep their names (and build without the layout argument).
         tag, layout_kw = (" dv", {"weight_layout": "dv"}) if layout == "dv" else ("", {})
+        # The entropy variants build with return_entropy=True (the base ones without the argument).
+        ent_kw = {"return_entropy": True} if entropy else {}
+        tag = (" entropy" if entropy else "") + tag
         for name, cfg in configs.items():
             n_pad = tuning.padded_rows(m, cfg)
             for logits in (False, True):
-                for bias in (False, True):
+                for bias in (False, True) if not (entropy and layout == "dv") else (False,):
                     args = [_sds((n_pad, d), jnp.bfloat16), _sds(w_shape, jnp.bfloat16)]
                     if bias:
                         args.append(_sds((v_rows + 64 * geom.tiles_per_group * (geom.n_groups + 1),), jnp.float32))
@@ -105,6 +124,7 @@ def forward_hashes():
                         interpret_params=None,
                         lg_rows=m,
                         **layout_kw,
+                        **ent_kw,
                     )
                     yield f"forward{tag} M={m} {name} logits={logits} bias={bias}", _take()
 
@@ -129,17 +149,31 @@ def backward_hashes():
         yield f"backward dz bias={bias}", _take()
 
 
-def fold_hashes():
+def fold_hashes(entropy: bool = False):
     n, n_split = 300, 264
     for knobs in ({}, {"staged": False}):
         a, v, t = _sds((n, n_split), jnp.float32), _sds((n,), jnp.float32), _sds((n,), jnp.int32)
-        jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
-        yield f"fold {knobs or 'staged'}", _take()
+        if entropy:
+            fn = lambda m, s, st, z, tt, it: pk.fold(m, s, z, tt, it, 151936, a=st, **knobs)  # noqa: E731
+            jax.jit(fn).trace(a, a, a, v, t, v).lower(lowering_platforms=("cuda",))
+            yield f"fold entropy {knobs or 'staged'}", _take()
+        else:
+            jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
+            yield f"fold {knobs or 'staged'}", _take()
 
 
-def main():
+def main(argv=None):
+    which = (sys.argv[1:] if argv is None else argv) or ["base", "entropy"]
+    bad = set(which) - {"base", "entropy"}
+    if bad:
+        raise SystemExit(f"usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy]; unknown {sorted(bad)}")
     _capture_modules()
-    for gen in (forward_hashes, backward_hashes, fold_hashes):
+    gens = []
+    if "base" in which:
+        gens += [forward_hashes, backward_hashes, fold_hashes]
+    if "entropy" in which:
+        gens += [lambda: forward_hashes(entropy=True), lambda: fold_hashes(entropy=True)]
+    for gen in gens:
         for name, digest in gen():
             print(f"{digest}  {name}", flush=True)
 

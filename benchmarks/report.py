@@ -39,6 +39,10 @@ class CaseResult:
     grad_determinism: str | None = None  # same probe on d_hidden (fwd_bwd only)
     grad_determinism_detail: dict = dataclasses.field(default_factory=dict)
     run_to_run: str | None = None  # same inputs twice: "bitwise-identical" | "differs"
+    # Entropy cases ("<backend>+entropy", benchmarks.run --entropy): median time over the same
+    # backend's case without the entropy at the same M, and whether its logp/lse bytes are that case's.
+    entropy_time_ratio: float | None = None
+    entropy_same_logp_lse: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,6 +65,41 @@ def fill_cross_backend(cases: Sequence[CaseResult], rows: dict[tuple[str, int], 
                     d = np.abs(mine[field].astype(np.float64) - theirs[field].astype(np.float64))
                 d = d[np.isfinite(d)]
                 setattr(c, f"{field}_max_abs_diff_vs_xla", float(d.max()) if d.size else 0.0)
+
+
+def fill_entropy_ratios(cases: Sequence[CaseResult], rows: dict[tuple[str, int], dict]) -> None:
+    """entropy_time_ratio / entropy_same_logp_lse of each "<backend>+entropy" case vs "<backend>"."""
+    import numpy as np
+
+    by_key = {(c.backend, c.m): c for c in cases if c.status == "ok"}
+    for c in cases:
+        if c.status != "ok" or not c.backend.endswith("+entropy"):
+            continue
+        base = by_key.get((c.backend[: -len("+entropy")], c.m))
+        if base is None:
+            continue
+        c.entropy_time_ratio = c.median_ms / base.median_ms
+        mine, theirs = rows.get((c.backend, c.m), {}), rows.get((base.backend, c.m), {})
+        fields = [f for f in ("logp", "lse") if f in mine and f in theirs]
+        if fields:
+            c.entropy_same_logp_lse = all(
+                np.asarray(mine[f]).tobytes() == np.asarray(theirs[f]).tobytes() for f in fields
+            )
+
+
+def format_entropy_summary(cases: Sequence[CaseResult]) -> str:
+    """One line per entropy case: time with / without the entropy, and the logp/lse bytes check."""
+    lines = []
+    for c in cases:
+        if c.entropy_time_ratio is None:
+            continue
+        same = {True: "logp/lse bytes unchanged", False: "logp/lse BYTES CHANGED", None: "logp/lse not compared"}
+        lines.append(
+            f"entropy {c.backend[: -len('+entropy')]} M={c.m}: {c.entropy_time_ratio:.4f}x "
+            f"({c.median_ms:.4f} ms with, {c.median_ms / c.entropy_time_ratio:.4f} ms without); "
+            f"{same[c.entropy_same_logp_lse]}"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(x, spec: str, empty: str = "-") -> str:

@@ -3,6 +3,9 @@
     python -m benchmarks.run --shape tiny --m 1,8,64 --backends reference,xla,xla_chunked,gemm
     python benchmarks/run.py --shape qwen3_8b --backends pallas_sm90,xla,xla_chunked,gemm
     python -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --weight_layout dv --ms 1,64,4096
+    python -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --entropy --ms 1,4096,16384
+    # pallas_sm90 before pallas_kernels.backend.ENTROPY_VALIDATED is set (it refuses the entropy until then):
+    python3 tests/gpu/with_entropy.py -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --entropy
 
 See benchmarks/README.md for the columns and the recommended H200 commands.
 """
@@ -98,6 +101,14 @@ flags.DEFINE_enum(
     "recomputes the logits chunk by chunk (four GEMM passes); logits: the forward keeps its FP32 logits [M, V] "
     "(three passes, O(M * V) memory; compare temp_MB / peak_MB). Library backends; the xla lane ignores it.",
 )
+flags.DEFINE_bool(
+    "entropy",
+    False,
+    "Also time every library backend with return_entropy=True (rows '<backend>+entropy', right after the "
+    "backend's own case at each M, same inputs); records the time ratio and whether logp/lse bytes are "
+    "unchanged. pallas_sm90 serves it once pallas_kernels.backend.ENTROPY_VALIDATED is set; before that run "
+    "this module through tests/gpu/with_entropy.py.",
+)
 
 
 @dataclasses.dataclass
@@ -121,6 +132,7 @@ class RunConfig:
     tuning: dict = dataclasses.field(default_factory=dict)
     weight_layout: str = "vd"  # "dv": the weight is the [D, V_rows] kernel (cases.make_weight)
     residuals: str = "recompute"  # "logits": linear_logp(residuals="logits") (mode fwd_bwd)
+    entropy: bool = False  # also time each library backend with return_entropy=True ("<backend>+entropy")
     out: str | None = None  # None: default path
     plot: str | None = None  # None: next to out; "none": no plot
     command_line: str = ""
@@ -140,7 +152,7 @@ class RunConfig:
         if self.residuals != "recompute" and self.mode != "fwd_bwd":
             raise ValueError(f"--residuals={self.residuals} changes only the backward: use it with --mode fwd_bwd")
 
-    def spec(self, backend: str) -> cases.CaseSpec:
+    def spec(self, backend: str, entropy: bool = False) -> cases.CaseSpec:
         return cases.CaseSpec(
             backend,
             self.shape,
@@ -151,6 +163,7 @@ class RunConfig:
             tuple(sorted(self.tuning.items())),
             self.weight_layout,
             self.residuals,
+            entropy,
         )
 
     def out_path(self) -> str:
@@ -188,6 +201,7 @@ def config_from_flags() -> RunConfig:
         tuning=json.loads(FLAGS.tuning) if FLAGS.tuning else {},
         weight_layout=FLAGS.weight_layout,
         residuals=FLAGS.residuals,
+        entropy=FLAGS.entropy,
         out=FLAGS.out,
         plot=FLAGS.plot,
         command_line=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
@@ -269,19 +283,23 @@ class _ProbeCache:
         self._compiled.setdefault(backend, compiled)
 
 
-def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _ProbeCache) -> tuple[CaseResult, dict]:
-    """Compiles, times and probes one (backend, M). Returns (result, small per-row outputs)."""
-    spec = cfg.spec(backend)
+def run_case(
+    cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _ProbeCache, entropy: bool = False
+) -> tuple[CaseResult, dict]:
+    """Compiles, times and probes one (backend, M) (with `entropy`: the "<backend>+entropy"
+    case, return_entropy=True). Returns (result, small per-row outputs)."""
+    spec = cfg.spec(backend, entropy)
+    label = spec.label
     fn = cases.build(spec)
     arg_sets = [(h, weight, t) for h, t in inputs]
     h0, t0 = inputs[0]
-    why = cases.unsupported_reason(backend, h0, weight, cfg.weight_layout)
+    why = cases.unsupported_reason(backend, h0, weight, cfg.weight_layout, entropy)
     if why:
-        return CaseResult(backend, m, "skipped", note=why), {}
+        return CaseResult(label, m, "skipped", note=why), {}
 
     compiled, compile_s = timing.compile_case(fn, arg_sets[0])
     if m == 1:
-        probes.put(backend, compiled)
+        probes.put(label, compiled)
     tm, first = timing.time_case(
         compiled,
         arg_sets,
@@ -297,7 +315,7 @@ def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _Prob
 
     p = m // 2
     h1, t1 = timing.row_inputs(h0, t0, p)
-    alone = probes.get(backend, fn, (h1, weight, t1))(h1, weight, t1)
+    alone = probes.get(label, fn, (h1, weight, t1))(h1, weight, t1)
     det = timing.compare_rows(first, alone, p, cases.FORWARD_ROW_FIELDS)
     grad_det = timing.compare_rows(first, alone, p, cases.GRAD_ROW_FIELDS)
     del alone
@@ -308,7 +326,7 @@ def run_case(cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _Prob
     rows = {f: np.asarray(first[f]) for f in ("logp", "lse") if f in first}
     del first
     result = CaseResult(
-        backend,
+        label,
         m,
         "ok",
         median_ms=tm.median_ms,
@@ -380,37 +398,44 @@ def run(cfg: RunConfig) -> dict:
     for b, r in skipped_backends.items():
         _log(t_start, f"skipping backend {b}: {r}")
     todo = [b for b in cfg.backends if b not in skipped_backends]
+    # With --entropy each library backend's case is followed by its "+entropy" case (same M, inputs).
+    plan = [(b, False) for b in todo]
+    if cfg.entropy:
+        plan = [x for b in todo for x in ([(b, False), (b, True)] if b in cases.LIBRARY_BACKENDS else [(b, False)])]
     s = cfg.shape
     _log(
         t_start,
         f"shape {s.name}: D={s.d} V_rows={s.v_rows} V_real={s.v_real} {cfg.dtype}; entry={cfg.entry} mode={cfg.mode}; "
         f"weight_layout={cfg.weight_layout}; residuals={cfg.residuals}; "
-        f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}",
+        + ("entropy cases: yes; " if cfg.entropy else "")
+        + f"M={list(cfg.ms)}; backends={todo}; device={jax.devices()[0].device_kind}",
     )
     weight = make_weight(cfg)
     results, rows, last = [], {}, {}
     probes = _ProbeCache()
-    n, i = len(cfg.ms) * len(todo), 0
+    n, i = len(cfg.ms) * len(plan), 0
     for m in cfg.ms:
         inputs = make_inputs(cfg, m)
-        for backend in todo:
+        for backend, entropy in plan:
             i += 1
-            why = _predicted_skip(cfg, last.get(backend), m)
+            label = cfg.spec(backend, entropy).label
+            why = _predicted_skip(cfg, last.get(label), m)
             if why:
-                r, case_rows = CaseResult(backend, m, "skipped", note=why), {}
+                r, case_rows = CaseResult(label, m, "skipped", note=why), {}
             else:
                 try:
-                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes)
+                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes, entropy)
                 except Exception as e:  # OOM, lowering errors, ...: record and go on
                     msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                    r, case_rows = CaseResult(backend, m, "error", note=msg), {}
+                    r, case_rows = CaseResult(label, m, "error", note=msg), {}
             if r.status == "ok":
-                last[backend] = r
-            rows[(backend, m)] = case_rows
+                last[label] = r
+            rows[(label, m)] = case_rows
             results.append(r)
             _log(t_start, _progress_line(i, n, r))
         del inputs
     report.fill_cross_backend(results, rows)
+    report.fill_entropy_ratios(results, rows)
     return {
         "schema": report.SCHEMA,
         "environment": environment(cfg),
@@ -444,6 +469,9 @@ def execute(cfg: RunConfig) -> dict:
         )
         report.plot(results, doc["floors"], plot_path, title, cfg.hbm_tbps, cfg.peak_tflops)
     print(report.format_table(results))
+    entropy_lines = report.format_entropy_summary(results)
+    if entropy_lines:
+        print(entropy_lines)
     for b, r in doc["skipped_backends"].items():
         print(f"skipped backend {b}: {r}")
     print(f"wrote {cfg.out_path()}" + (f" and {plot_path}" if plot_path else "") + f" ({doc['wall_s']:.1f} s)")

@@ -2,15 +2,21 @@
 
 Interface (mirrors `detlogp_jax.reference`):
   partials(hidden, weight, bias, targets, inv_t, *, vocab_size, padded_vocab_size,
-           col_offset=0, shard_cols=None, return_logits=False, weight_layout="vd")
+           col_offset=0, shard_cols=None, return_logits=False, weight_layout="vd",
+           return_entropy=False)
       -> (m [N, n_local], s [N, n_local], z_t [N], owned [N], logits [N, Vl] | None)
-  fold(m, s, z_t, targets, inv_t, vocab_size) -> (logp [N], lse [N])
+         (+ A [N, n_local], the entropy statistic, with return_entropy=True)
+  fold(m, s, z_t, targets, inv_t, vocab_size, a=None) -> (logp [N], lse [N])
+         (+ entropy [N] with a=A: `linear-logp-entropy-v1`, docs/CONTRACT.md section 9)
 plus `is_available()`, `unavailable_reason()`, `supports(hidden, weight)`,
 `shard_geometry`, the launch table `BUCKETS` / `select_bucket`, the
 bit-neutral launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
 
 Supported: bf16 hidden and weight, D a positive multiple of 64, a CUDA GPU of
-compute capability 9.x (or interpret mode on any host). The weight is read in
+compute capability 9.x (or interpret mode on any host). The registry entry
+(`backend.py`) declares the entropy only once `backend.ENTROPY_VALIDATED` is set
+(after the H200 validation, tests/gpu/h200_entropy.sh); the kernels compute it
+when asked directly. The weight is read in
 place in either layout: [V, D] (weight_layout="vd", lm_head) or [D, V] ("dv", a
 Flax/Tunix kernel; V a multiple of 64), same kernels, same bytes.
 

@@ -6,6 +6,17 @@ import jax.numpy as jnp
 
 from detlogp_jax.backends import Backend, DzKernel
 
+# Whether the registry entry declares the entropy statistic (`linear-logp-entropy-v1`,
+# `Backend.entropy`): the kernels compute it (`partials(..., return_entropy=True)`,
+# `fold(..., a=A)`), but `linear_logp(return_entropy=True, backend="pallas_sm90")` is
+# refused (and `auto` falls back to `reference`) until the GPU has confirmed its bits.
+# Set True once tests/gpu/h200_entropy.sh (tests/gpu/test_pallas_gpu.py -k entropy and
+# ladder stage F) passes on the H200 and its golden entropy records are merged.
+# (Not an environment variable: the op refuses unknown DETLOGP_* variables. A process
+# may set this attribute before the registry first loads the entry, as
+# tests/gpu/with_entropy.py does to time and record the entropy before the flip.)
+ENTROPY_VALIDATED = False
+
 
 def backend_entry() -> Backend:
     """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
@@ -24,7 +35,9 @@ def backend_entry() -> Backend:
         layouts=frozenset({"vd", "dv"}),
         # The dz kernel takes [chunk, D] weight chunks only (DzKernel.layouts = {"vd"}):
         # the backward of a "dv" call forms dz with XLA per [D, chunk] chunk, read in
-        # place (detlogp_jax.grad), not with this kernel.
+        # place (detlogp_jax.grad), not with this kernel. It does not take the entropy
+        # term (DzKernel.entropy False): with an entropy cotangent grad.backward forms
+        # dz with XLA (correct, slower).
         dz=DzKernel(
             fn=sm90_dz.dz_chunk,
             supports=lambda h, w, chunk: (
@@ -35,4 +48,5 @@ def backend_entry() -> Backend:
         description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
         knobs=frozenset({"bucket", "num_ctas"}),
         unavailable_reason=pk.unavailable_reason,
+        entropy=ENTROPY_VALIDATED,
     )

@@ -13,10 +13,12 @@ kernel module or the host wrapper.
 * `work_item`: the (split or column block, row block) of a persistent CTA's
   i-th work item (bit-neutral: only the order changes).
 * `chain_step`: one tile of a split's chain plus the target capture, the
-  per-tile program every forward kernel runs.
+  per-tile program every forward kernel runs (with `a=`, also the entropy
+  statistic A of `linear-logp-entropy-v1`).
 * `row_layout`, `col_layout`, `layout_of`, `load`, `cast`, `zero_acc`:
   register layouts and the loads/casts that are identities in interpret mode.
-* `unpack_refs`, `out_type`: the forward kernels' operands and outputs.
+* `unpack_refs`, `out_type`: the forward kernels' operands and outputs
+  (m, S, z_t, [A], [logits]).
 * `WEIGHT_LAYOUTS`, `check_weight_layout`, `DV_COL_MULTIPLE`: the weight layouts
   the forward kernels read in place ("vd": lm_head [Vl, D]; "dv": a Flax/Tunix
   kernel [D, Vl]) and what a "dv" weight's column count must divide by.
@@ -185,7 +187,7 @@ def zero_acc(acc_ref, bm, cols, interpret):
         acc_ref[...] = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
 
-def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, interpret):
+def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, interpret, a=None):
     """One tile of a split's chain plus the target capture: (m, S, z_t) -> (m', S', z_t').
 
     z: [BM, 64] post-bias FP32 logits of global tile `tile`; t1: the split's end
@@ -194,7 +196,27 @@ def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, inte
     `limit` take the masked variant (on all others the masks are identities, so
     both give the same bits); the branch is uniform across the CTA. Rows whose
     target lies in this tile of this split take z at the target column as z_t.
+
+    a: the entropy statistic A [BM] of the chain (a kernel built with
+    return_entropy), or None (exactly the step above). Given, the step is
+    `tile_math.chain_tile(..., a=a)` and returns (m', S', z_t', A').
     """
+    if a is not None:
+        return _chain_step_entropy(
+            m,
+            s,
+            zt,
+            a,
+            z,
+            tile=tile,
+            t1=t1,
+            limit=limit,
+            tgt=tgt,
+            invt_b=invt_b,
+            col_iota=col_iota,
+            ops=ops,
+            interpret=interpret,
+        )
     tcol0 = tile * TILE
     col = col_iota + tcol0
 
@@ -214,20 +236,46 @@ def chain_step(m, s, zt, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, inte
     return m, s, jnp.where(row_hit, z_hit, zt)
 
 
-def unpack_refs(refs, has_bias: bool, return_logits: bool):
-    """(h, w, bias | None, targets, inv_t, m_out, s_out, zt_out, logits_out | None) of a forward
-    kernel's refs: inputs (hidden, weight, [bias], targets, inv_t), then outputs (`out_type`)."""
+def _chain_step_entropy(m, s, zt, a, z, *, tile, t1, limit, tgt, invt_b, col_iota, ops, interpret):
+    """`chain_step` carrying the entropy statistic: (m, S, z_t, A) -> (m', S', z_t', A')."""
+    tcol0 = tile * TILE
+    col = col_iota + tcol0
+
+    def chain(m, s, a, z, col, masked):
+        return tile_math.chain_tile(m, s, z, col, tgt, invt_b, limit, ops, interpret=interpret, masked=masked, a=a)
+
+    m, s, z_hit, a = lax.cond(
+        (tile + 1) * TILE <= limit,
+        lambda m, s, a, z, col: chain(m, s, a, z, col, False),
+        lambda m, s, a, z, col: chain(m, s, a, z, col, True),
+        m,
+        s,
+        a,
+        z,
+        col,
+    )
+    row_hit = (tgt >= tcol0) & (tgt < tcol0 + TILE) & (tile < t1)
+    return m, s, jnp.where(row_hit, z_hit, zt), a
+
+
+def unpack_refs(refs, has_bias: bool, return_logits: bool, return_entropy: bool = False):
+    """(h, w, bias | None, targets, inv_t, m_out, s_out, zt_out, logits_out | None, a_out | None) of a
+    forward kernel's refs: inputs (hidden, weight, [bias], targets, inv_t), then outputs (`out_type`)."""
     refs = list(refs)
     h, w = refs[:2]
     b = refs.pop(2) if has_bias else None
     tgt, invt, m_out, s_out, zt_out = refs[2:7]
-    return h, w, b, tgt, invt, m_out, s_out, zt_out, (refs[7] if return_logits else None)
+    a_out = refs.pop(7) if return_entropy else None
+    return h, w, b, tgt, invt, m_out, s_out, zt_out, (refs[7] if return_logits else None), a_out
 
 
-def out_type(n_local: int, n_pad: int, return_logits: bool, lg_rows: int | None, lg_cols: int):
-    """Outputs of a forward kernel: m, S, z_t captures [n_local, n_pad] f32, and the logits
+def out_type(
+    n_local: int, n_pad: int, return_logits: bool, lg_rows: int | None, lg_cols: int, return_entropy: bool = False
+):
+    """Outputs of a forward kernel: m, S, z_t captures [n_local, n_pad] f32, with return_entropy
+    the entropy statistic A [n_local, n_pad] f32 next to them, and the logits
     [lg_rows (default n_pad), lg_cols] f32 for the serving entry."""
-    shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(3)]
+    shapes = [jax.ShapeDtypeStruct((n_local, n_pad), F32) for _ in range(4 if return_entropy else 3)]
     if return_logits:
         shapes.append(jax.ShapeDtypeStruct((n_pad if lg_rows is None else lg_rows, lg_cols), F32))
     return tuple(shapes)

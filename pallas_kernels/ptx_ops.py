@@ -21,6 +21,13 @@ Both also provide `exp_diff(a, b)` = pexp(fl(a - b)). On the GPU it is ONE
 straight-line PTX block per lane (`ptx_programs.PEXP_DIFF`, whose exact text
 is executed against the oracle by a numpy simulator in the CPU tests); that
 keeps the kernel IR ~10x smaller than emitting `numerics.pexp` op by op.
+For the entropy statistic (`linear-logp-entropy-v1`, only in kernels built with
+it) they provide `exp(d)` = pexp(d) (`ptx_programs.PEXP`: the exp of a difference
+`d` the kernel keeps), `entropy_term(e, d)` = (e == 0) ? +0 : fl(e * d)
+(`ptx_programs.ENTROPY_TERM`), `rcp(s)` = fl(1 / s) (`ptx_programs.RCP`, one
+`div.rn.ftz.f32`; interpret mode: `numerics.reciprocal_rn`, integer ops) and
+`flush(x)`: FTZ of a product or difference (the identity on the GPU, whose `.ftz`
+instructions flush already; explicit in interpret mode, as `numerics` does).
 
 `lift_ptx`, `lift_program` and `PTX` are public for the fold's `inline_mgpu`
 blocks (`sm90_fold`), which emit the same instructions on FragmentedArrays.
@@ -35,6 +42,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import numerics
@@ -175,14 +183,67 @@ class PtxOps:
 
         return self.program(ptx_programs.PEXP_DIFF, a, b)
 
+    def exp(self, d):
+        """pexp(d), one PTX block per lane (the same instructions as `exp_diff` after its subtract)."""
+        from pallas_kernels import ptx_programs
+
+        return self.program(ptx_programs.PEXP, d)
+
+    def entropy_term(self, e, d):
+        """(e == 0) ? +0 : mul.rn.ftz(e, d), one PTX block per lane."""
+        from pallas_kernels import ptx_programs
+
+        return self.program(ptx_programs.ENTROPY_TERM, e, d)
+
+    def rcp(self, s):
+        """fl(1 / s): div.rn.ftz.f32 (IEEE division, round-to-nearest-even, FTZ), one PTX block per lane."""
+        from pallas_kernels import ptx_programs
+
+        return self.program(ptx_programs.RCP, s)
+
+    @staticmethod
+    def flush(x):
+        """FTZ of a result of these ops: the identity (every `.ftz` instruction flushes already)."""
+        return x
+
 
 class InterpretOps(numerics.XlaOps):
     """mul/add/sub for interpret mode: `numerics.XlaOps` (each result pinned behind
-    an opaque xor) plus the kernel's `exp_diff` entry point."""
+    an opaque xor) plus the kernel's `exp_diff` entry point (and the entropy's
+    `exp`, `entropy_term`, `rcp`, `flush`, as `numerics` computes them).
+
+    The pin is an integer add of the opaque zero, not `numerics.XlaOps`' xor: a kernel
+    sum that starts from a constant +0 (the fold's row loop) has its first add dropped by
+    XLA's simplifier (`0 + x -> x`), and then the xor pins of x and of that add cancel
+    (`x ^ z ^ z == x`), so LLVM saw x's product feed the next add and contracted the two
+    into an FMA (XLA:CPU, found by the entropy's row-loop fold test); adds of z do not
+    cancel. (The values are the same: z is zero at run time.)"""
+
+    def _pin(self, v):
+        bits = lax.bitcast_convert_type(v, jnp.uint32) + self._zero
+        return lax.bitcast_convert_type(bits, F32)
 
     def exp_diff(self, a, b):
         """pexp(fl(a - b)) via numerics.pexp (the spec implementation)."""
         return numerics.pexp(self.sub(a, b), self)
+
+    def exp(self, d):
+        """pexp(d) via numerics.pexp."""
+        return numerics.pexp(d, self)
+
+    def entropy_term(self, e, d):
+        """(e == 0) ? +0 : fl(e * d), the product flushed explicitly (as numerics.chain_step_entropy)."""
+        return jnp.where(e == 0, jnp.asarray(0.0, F32), numerics.fmul_ftz(e, numerics.ftz(d), self))
+
+    @staticmethod
+    def rcp(s):
+        """fl(1 / s) via numerics.reciprocal_rn (integer operations only)."""
+        return numerics.reciprocal_rn(s)
+
+    @staticmethod
+    def flush(x):
+        """FTZ, explicitly (XLA:GPU would not flush; XLA:CPU does, so this only makes it certain)."""
+        return numerics.ftz(x)
 
 
 def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], source=None):

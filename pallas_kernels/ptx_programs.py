@@ -15,10 +15,14 @@ Instruction semantics modelled by `simulate` (PTX ISA, sm_90):
                           subnormal inputs and results flushed to +-0
                           (= oracle.f_mul / f_add / f_sub; a NaN result is
                           any NaN: NaN payloads are not part of the contract)
+  div.rn.ftz.f32          IEEE binary32 division, round-to-nearest-even, FTZ
+                          (= oracle.f_div; the entropy's rcp(S) = fl(1 / S))
   setp.lt.f32             ordered a < b (false if either is NaN)
+  setp.eq.f32             ordered a == b (false if either is NaN; +0 == -0)
   setp.nan.f32            a or b is NaN
   selp.b32                p ? a : b
   mov.b32                 bit copy between f32 and b32 registers
+  mov.f32                 an f32 immediate into a register
   add.s32 / sub.s32       two's complement, wrapping
   shl.b32                 logical shift left (immediate count)
   setp.lt.s32             signed a < b
@@ -98,8 +102,17 @@ class Program:
     def sub(self, a, b):
         return self._emit("sub.rn.ftz.f32", "f", a, b)
 
+    def div(self, a, b):
+        return self._emit("div.rn.ftz.f32", "f", a, b)
+
+    def const_f(self, v):
+        return self._emit("mov.f32", "f", self.fimm(v))
+
     def lt_f(self, a, b):
         return self._emit("setp.lt.f32", "p", a, b)
+
+    def eq_f(self, a, b):
+        return self._emit("setp.eq.f32", "p", a, b)
 
     def isnan(self, a):
         return self._emit("setp.nan.f32", "p", a, a)
@@ -177,8 +190,14 @@ class Program:
                     r = oracle.f_add(val(srcs[0], "f"), val(srcs[1], "f"))
                 elif op == "sub.rn.ftz.f32":
                     r = oracle.f_sub(val(srcs[0], "f"), val(srcs[1], "f"))
+                elif op == "div.rn.ftz.f32":
+                    r = oracle.f_div(val(srcs[0], "f"), val(srcs[1], "f"))
+                elif op == "mov.f32":
+                    r = val(srcs[0], "f").copy()
                 elif op == "setp.lt.f32":
                     r = val(srcs[0], "f") < val(srcs[1], "f")
+                elif op == "setp.eq.f32":
+                    r = val(srcs[0], "f") == val(srcs[1], "f")
                 elif op == "setp.nan.f32":
                     a, b = val(srcs[0], "f"), val(srcs[1], "f")
                     r = np.isnan(a) | np.isnan(b)
@@ -245,4 +264,23 @@ ADD = _build(2, lambda P, a, b: P.add(a, b))
 SUB = _build(2, lambda P, a, b: P.sub(a, b))
 
 
-__all__ = ["Program", "emit_pexp", "PEXP", "PEXP_DIFF", "MUL", "ADD", "SUB"]
+def emit_entropy_term(P: Program, e: Reg, d: Reg) -> Reg:
+    """The entropy's lane term u = (e == 0) ? +0 : fl(e * d) (CONTRACT.md section 9):
+    e = pexp(d) (0 on padding lanes), d = fl(y - m') the argument of that exp."""
+    zero = P.eq_f(e, P.fimm(0.0))
+    return P.sel_f(P.fimm(0.0), P.mul(e, d), zero)
+
+
+def emit_rcp(P: Program, x: Reg) -> Reg:
+    """rcp(x) = fl(1 / x): one IEEE division (round-to-nearest-even, FTZ), the entropy's 1/S.
+    (The dividend 1.0 is moved into a register first: the immediate is not a first source.)"""
+    return P.div(P.const_f(1.0), x)
+
+
+# u = (e == 0) ? +0 : fl(e * d): the entropy statistic's lane term (linear-logp-entropy-v1).
+ENTROPY_TERM = _build(2, emit_entropy_term)
+# fl(1 / s): the fold's rcp(S) for the entropy.
+RCP = _build(1, emit_rcp)
+
+
+__all__ = ["Program", "emit_pexp", "PEXP", "PEXP_DIFF", "MUL", "ADD", "SUB", "ENTROPY_TERM", "RCP"]

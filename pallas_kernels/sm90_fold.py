@@ -65,6 +65,15 @@ config is `tuning.FOLD`):
 * staged=False: the previous layout, one row per thread (FOLD_ROWS = 128
   rows per CTA), both passes loading m_j / s_j straight from global memory,
   `unroll` splits per loop trip. Kept for timing comparisons; same bits.
+
+The entropy (`fold(..., a=A)`, `build(entropy=True)`; `linear-logp-entropy-v1`):
+both layouts also take the statistic A [N, n_split]; pass 2 forms each split's
+rescaled term resc(A_j, S_j, m_j, M, w_j) from the S_j it read (staged: written
+over A_j in a third SMEM array, so fewer splits fit: `staged_fits(..., entropy=True)`),
+the chain adds A = fl(A + term_j) in the same ascending steps as S, and the
+epilogue forms h = fl(plog(S) - fl(A * rcp(S))) (plog shared with the lse, rcp one
+`div.rn.ftz.f32`), +0 where h < 0. Without A the kernels are exactly the ones
+built before the statistic existed (benchmarks/mosaic_ir_hashes.py).
 """
 
 from __future__ import annotations
@@ -93,11 +102,12 @@ def row_block(cfg: tuning.FoldConfig = tuning.FOLD) -> int:
     return cfg.rows if cfg.staged else FOLD_ROWS
 
 
-def staged_fits(n_split: int, rows: int = tuning.FOLD.rows) -> bool:
-    """Whether staged=True can hold n_split splits of `rows` rows in SMEM."""
+def staged_fits(n_split: int, rows: int = tuning.FOLD.rows, entropy: bool = False) -> bool:
+    """Whether staged=True can hold n_split splits of `rows` rows in SMEM (m and S, and
+    with `entropy` the statistic A too)."""
     g = 128 // rows
     k = -(-n_split // g)
-    return 2 * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
+    return (3 if entropy else 2) * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
 
 
 def build(
@@ -108,8 +118,17 @@ def build(
     interpret: bool,
     interpret_params=None,
     cfg: tuning.FoldConfig = tuning.FOLD,
+    entropy: bool = False,
 ):
     """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
+
+    entropy (static): the kernel takes the entropy statistic aT [n_split, n_pad] after
+    sT and returns (logp, lse, entropy): in pass 2 each split's rescaled term
+    resc(A_j, S_j, m_j, M, w_j) is formed next to fl(S_j * w_j), in the chain
+    A = fl(A + term_j) is added in the same ascending loop as S, and the epilogue
+    forms h = fl(plog(S) - fl(A * rcp(S))) (the plog of the lse, rcp one
+    `div.rn.ftz.f32`), +0 where h < 0 (CONTRACT.md section 9). False builds
+    exactly the kernel without it.
 
     `cfg` (no field changes a bit): `staged` picks the layout (module
     docstring); `unroll` = splits per loop trip (staged: of the chain, default
@@ -133,32 +152,48 @@ def build(
             rows=cfg.rows,
             chunk=cfg.chunk,
             kw=kw,
+            entropy=entropy,
         )
     return _build_rowloop(
-        n_split=n_split, n_pad=n_pad, vocab_size=vocab_size, interpret=interpret, unroll=unroll, kw=kw
+        n_split=n_split,
+        n_pad=n_pad,
+        vocab_size=vocab_size,
+        interpret=interpret,
+        unroll=unroll,
+        kw=kw,
+        entropy=entropy,
     )
 
 
-def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size):
-    """lse, logp of a row from its S, M and target inputs (the spec's last lines)."""
-    lse = ops.add(big_m, tile_math.plog(acc, ops))
+def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size, acc_a=None):
+    """lse, logp of a row from its S, M and target inputs (the spec's last lines); with
+    the folded entropy statistic `acc_a` also the entropy h = fl(plog(S) - fl(A * rcp(S))),
+    +0 where h < 0 (the same plog(S) as the lse's), as a third result."""
+    if acc_a is None:
+        lse = ops.add(big_m, tile_math.plog(acc, ops))
+    else:
+        lg = tile_math.plog(acc, ops)
+        lse = ops.add(big_m, lg)
     y_t = ops.mul(zt, invt)
     d = ops.sub(y_t, lse)
     logp = jnp.where(d > 0, jnp.asarray(0.0, F32), d)
     logp = jnp.where(tgt == C.IGNORE_INDEX, jnp.asarray(0.0, F32), logp)
     bad = ((tgt < 0) & (tgt != C.IGNORE_INDEX)) | (tgt >= vocab_size)
     logp = jnp.where(bad, jnp.asarray(jnp.nan, F32), logp)
-    return logp, lse
+    if acc_a is None:
+        return logp, lse
+    h = ops.flush(ops.sub(lg, ops.flush(ops.mul(acc_a, ops.rcp(acc)))))
+    return logp, lse, jnp.where(h < 0, jnp.asarray(0.0, F32), h)
 
 
-def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw):
+def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw, entropy=False):
     br = rows  # (rows and chunk are checked by tuning.FoldConfig)
     g_n = 128 // br  # split groups per row
     assert n_pad % br == 0, (n_pad, br)
     # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
     # barriers per array: raise chunk to the smallest that needs <= 32.
     chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
-    if not staged_fits(n_split, br):
+    if not staged_fits(n_split, br, entropy):
         raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
     n_steps = -(-n_split // g_n)  # G splits per step
     smem_rows = n_steps * g_n + g_n  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
@@ -176,26 +211,15 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
         # not each cost two warpgroup barriers.)
         plgpu.commit_smem()
 
-    def kernel(
-        m_ref,
-        s_ref,
-        zt_ref,
-        tgt_ref,
-        invt_ref,
-        logp_ref,
-        lse_ref,
-        m_s,
-        s_s,
-        x2,
-        z_in,
-        t_in,
-        i_in,
-        o_l,
-        o_s,
-        bar_m,
-        bar_s,
-        bar_in,
-    ):
+    def kernel(*refs):
+        # Inputs, outputs, scratch (`scratch` below); the entropy's refs only with `entropy`.
+        a_ref = h_ref = a_s = o_h = bar_a = None
+        if entropy:
+            (m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref, h_ref) = refs[:9]
+            (m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in) = refs[9:]
+        else:
+            (m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref) = refs[:7]
+            (m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in) = refs[7:]
         r0 = lax.axis_index("rows") * br
         cols = pl.ds(r0, br)
 
@@ -209,20 +233,27 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
             plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
         for c in range(n_chunks):
             plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
+        if entropy:
+            for c in range(n_chunks):
+                plgpu.copy_gmem_to_smem(a_ref.at[chunk_splits(c), cols], a_s.at[chunk_splits(c)], bar_a.at[c])
 
         def over_chunks(bars, full_steps, last_step, carry):
             """Steps of G splits in ascending order, chunk by chunk (each after its
-            copy landed): full_steps(j0, count, carry) runs `count` full steps from
+            copy landed; `bars`: one barrier array or a tuple of them, all awaited):
+            full_steps(j0, count, carry) runs `count` full steps from
             split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
+            bars = bars if isinstance(bars, tuple) else (bars,)
 
             def chunk_body(c, carry):
-                plgpu.barrier_wait(bars.at[c])
+                for b in bars:
+                    plgpu.barrier_wait(b.at[c])
                 return full_steps(c * chunk, chunk // g_n, carry)
 
             if n_full:
                 carry = lax.fori_loop(0, n_full, chunk_body, carry)
             if n_chunks > n_full:
-                plgpu.barrier_wait(bars.at[n_full])
+                for b in bars:
+                    plgpu.barrier_wait(b.at[n_full])
                 j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
                 if count:
                     carry = full_steps(j0, count, carry)
@@ -265,44 +296,73 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
             blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
             return carry
 
-        over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
+        if entropy:
+            # With the statistic: the A terms resc(A_j, S_j, m_j, M, w_j) too (from S_j before
+            # its term overwrites it), written over A_j.
+            def terms(j0, count, carry):  # noqa: F811
+                sl = pl.ds(j0, count * g_n)
+                blk.terms_entropy(m_s.at[sl], s_s.at[sl], a_s.at[sl], count, big_m, ops)
+                return carry
+
+            over_chunks((bar_s, bar_a), terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
+        else:
+            over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
         sync()
 
         # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
         def add_splits(j0, count, acc):
             return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
 
+        if entropy:  # both sums in the same ascending loop: acc = (S, A)
+
+            def add_splits(j0, count, acc):  # noqa: F811
+                view = pl.ds(j0, count + g_n - 1)
+                return blk.chain_entropy(s_s.at[view], a_s.at[view], count, acc, ops)
+
         n_trips = n_split // unroll
         acc = cast(jnp.zeros(shape, F32))
+        if entropy:
+            acc = (acc, cast(jnp.zeros(shape, F32)))
         if n_trips:
             acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
         if n_split - n_trips * unroll:
             acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
 
-        logp, lse = _epilogue(acc, big_m, load(z_in), load(t_in), invt, ops, vocab_size)
+        if entropy:
+            logp, lse, h = _epilogue(acc[0], big_m, load(z_in), load(t_in), invt, ops, vocab_size, acc_a=acc[1])
+        else:
+            logp, lse = _epilogue(acc, big_m, load(z_in), load(t_in), invt, ops, vocab_size)
         o_l[...] = logp
         o_s[...] = lse
+        if entropy:
+            o_h[...] = h
         sync()
         plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
         plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
+        if entropy:
+            plgpu.copy_smem_to_gmem(o_h.at[0], h_ref.at[cols])
         plgpu.wait_smem_to_gmem(0)
 
+    ent = lambda *x: x if entropy else ()  # the entropy's scratch, only with it
     scratch = (
         plgpu.SMEM((smem_rows, br), F32),  # m
         plgpu.SMEM((smem_rows, br), F32),  # s, then the terms
+        *ent(plgpu.SMEM((smem_rows, br), F32)),  # A, then its terms
         plgpu.SMEM((2 * g_n, br), F32),  # partial max exchange
         plgpu.SMEM(shape, F32),  # z_t (row 0)
         plgpu.SMEM(shape, jnp.int32),  # targets (row 0)
         plgpu.SMEM(shape, F32),  # inv_t (row 0)
         plgpu.SMEM(shape, F32),  # logp out (row 0 is stored)
         plgpu.SMEM(shape, F32),  # lse out
+        *ent(plgpu.SMEM(shape, F32)),  # entropy out
         plgpu.Barrier(num_barriers=n_chunks),
         plgpu.Barrier(num_barriers=n_chunks),
+        *ent(plgpu.Barrier(num_barriers=n_chunks)),  # A's chunks
         plgpu.Barrier(num_arrivals=3),
     )
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
+        out_type=(jax.ShapeDtypeStruct((n_pad,), F32),) * (3 if entropy else 2),
         scratch_types=scratch,
         grid=(n_pad // br,),
         grid_names=("rows",),
@@ -338,6 +398,25 @@ class _InterpretBlocks:
         for u in range(count):
             acc = ops.add(acc, self._rows(ref, u))
         return acc
+
+    def terms_entropy(self, m_ref, s_ref, a_ref, count, big_m, ops):
+        """`terms`, and over A_j its rescaled term resc(A_j, S_j, m_j, M, w_j) (from S_j
+        as read, before its own term overwrites it)."""
+        for u in range(count):
+            rows = pl.ds(u * self.g_n, self.g_n)
+            m_j, s_j, a_j = (self._rows(r, u * self.g_n) for r in (m_ref, s_ref, a_ref))
+            w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
+            a_term = tile_math.rescale_a(a_j, s_j, m_j, big_m, w, ops)
+            s_ref.at[rows][...] = ops.mul(s_j, w)
+            a_ref.at[rows][...] = a_term
+
+    def chain_entropy(self, s_ref, a_ref, count, acc, ops):
+        """`chain` over the S terms and the A terms in the same steps: acc = (S, A)."""
+        acc_s, acc_a = acc
+        for u in range(count):
+            acc_s = ops.add(acc_s, self._rows(s_ref, u))
+            acc_a = ops.add(acc_a, self._rows(a_ref, u))
+        return acc_s, acc_a
 
 
 class _SmemBlocks:
@@ -412,15 +491,72 @@ class _SmemBlocks:
 
         return run(ref, plgpu.layout_cast(acc, self.layout))
 
+    def terms_entropy(self, m_ref, s_ref, a_ref, count, big_m, ops):
+        """`terms` plus the A terms, as `_InterpretBlocks.terms_entropy` (tile_math.rescale_a's
+        instructions in its order: sub, mul by S, add to A, mul by w; oeq compares and selects)."""
+        del ops
+        from jaxlib.mlir import ir  # Lazy: lowering time only.
 
-def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
+        from pallas_kernels import ptx_programs
+
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), self.layout))
+        def run(ctx, m_ref, s_ref, a_ref, big_m):
+            del ctx
+            mgpu = self._mgpu()
+            exp_diff = ptx_ops.lift_program(ptx_programs.PEXP_DIFF)
+            mul = ptx_ops.lift_ptx(ptx_ops.PTX["mul"])
+            add = ptx_ops.lift_ptx(ptx_ops.PTX["add"])
+            sub = ptx_ops.lift_ptx(ptx_ops.PTX["sub"])
+            f32 = ir.F32Type.get()
+            one = mgpu.FragmentedArray.splat(mgpu.c(1.0, f32), self.shape, layout=big_m.layout)
+            zero = mgpu.FragmentedArray.splat(mgpu.c(0.0, f32), self.shape, layout=big_m.layout)
+            ms = [self._load(m_ref, u * self.g_n) for u in range(count)]
+            ss = [self._load(s_ref, u * self.g_n) for u in range(count)]
+            as_ = [self._load(a_ref, u * self.g_n) for u in range(count)]
+            for u, (m_j, s_j, a_j) in enumerate(zip(ms, ss, as_)):
+                same = m_j == big_m
+                w = same.select(one, m_j._pointwise(exp_diff, big_m))
+                term = s_j._pointwise(mul, w)
+                delta = m_j._pointwise(sub, big_m)
+                moved = w._pointwise(mul, a_j._pointwise(add, delta._pointwise(mul, s_j)))
+                a_term = same.select(a_j, (w == zero).select(zero, moved))
+                rows = slice(u * self.g_n, (u + 1) * self.g_n)
+                term.store_untiled(mgpu.utils.memref_slice(s_ref, rows))
+                a_term.store_untiled(mgpu.utils.memref_slice(a_ref, rows))
+
+        run(m_ref, s_ref, a_ref, plgpu.layout_cast(big_m, self.layout))
+
+    def chain_entropy(self, s_ref, a_ref, count, acc, ops):
+        """`chain` over the S terms and the A terms in the same steps: acc = (S, A)."""
+        del ops
+
+        @plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType(), self.layout, self.layout), return_type=(self.ret, self.ret)
+        )
+        def run(ctx, s_ref, a_ref, acc_s, acc_a):
+            del ctx
+            add = ptx_ops.lift_ptx(ptx_ops.PTX["add"])
+            for u in range(count):
+                acc_s = acc_s._pointwise(add, self._load(s_ref, u))
+                acc_a = acc_a._pointwise(add, self._load(a_ref, u))
+            return acc_s, acc_a
+
+        return run(s_ref, a_ref, plgpu.layout_cast(acc[0], self.layout), plgpu.layout_cast(acc[1], self.layout))
+
+
+def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw, entropy=False):
     br = FOLD_ROWS
     assert n_pad % br == 0
     layout = plgpu.Layout.WG_STRIDED((br,), vec_size=1)
 
     load, cast = interpret_utils.load_and_cast(layout, interpret)
 
-    def kernel(m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref):
+    def kernel(*refs):
+        a_ref = h_ref = None
+        if entropy:  # the statistic A after S; the entropy after lse
+            m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref, h_ref = refs
+        else:
+            m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref = refs
         r0 = lax.axis_index("rows") * br
         rows = pl.ds(r0, br)
         ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=load(invt_ref.at[rows]))
@@ -454,16 +590,46 @@ def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
                 acc = ops.add(acc, term)
             return acc
 
-        acc = blocks(0, sum_body, cast(jnp.zeros((br,), F32)))
-        logp, lse = _epilogue(
-            acc, big_m, load(zt_ref.at[rows]), load(tgt_ref.at[rows]), load(invt_ref.at[rows]), ops, vocab_size
-        )
+        if entropy:
+            # The same steps with the A terms next to the S terms: acc = (S, A), one loop.
+            def sum_body_h(j0, count, acc):
+                acc_s, acc_a = acc
+                terms = []
+                for u in range(count):
+                    m_j = load(m_ref.at[j0 + u, rows])
+                    s_j = load(s_ref.at[j0 + u, rows])
+                    a_j = load(a_ref.at[j0 + u, rows])
+                    w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
+                    terms.append((ops.mul(s_j, w), tile_math.rescale_a(a_j, s_j, m_j, big_m, w, ops)))
+                for t_s, t_a in terms:
+                    acc_s = ops.add(acc_s, t_s)
+                    acc_a = ops.add(acc_a, t_a)
+                return acc_s, acc_a
+
+            zeros = cast(jnp.zeros((br,), F32))
+            acc, acc_a = blocks(0, sum_body_h, (zeros, cast(jnp.zeros((br,), F32))))
+            logp, lse, h = _epilogue(
+                acc,
+                big_m,
+                load(zt_ref.at[rows]),
+                load(tgt_ref.at[rows]),
+                load(invt_ref.at[rows]),
+                ops,
+                vocab_size,
+                acc_a=acc_a,
+            )
+            h_ref.at[rows][...] = h
+        else:
+            acc = blocks(0, sum_body, cast(jnp.zeros((br,), F32)))
+            logp, lse = _epilogue(
+                acc, big_m, load(zt_ref.at[rows]), load(tgt_ref.at[rows]), load(invt_ref.at[rows]), ops, vocab_size
+            )
         logp_ref.at[rows][...] = logp
         lse_ref.at[rows][...] = lse
 
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((n_pad,), F32), jax.ShapeDtypeStruct((n_pad,), F32)),
+        out_type=(jax.ShapeDtypeStruct((n_pad,), F32),) * (3 if entropy else 2),
         grid=(n_pad // br,),
         grid_names=("rows",),
         compiler_params=plgpu.CompilerParams(approx_math=False),
@@ -471,7 +637,9 @@ def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "cfg"))
+@functools.partial(
+    jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "cfg", "entropy")
+)
 def _fold_core(*args, **static):
     """The fold launch, jitted on the padded row count (shared across N)."""
     return build(**static)(*args)
@@ -496,20 +664,25 @@ def fold_transposed(
     inv_t,
     vocab_size: int,
     *,
+    aT=None,
     interpret: bool = False,
     interpret_params=None,
     cfg: tuning.FoldConfig | None = None,
     **knobs,
 ):
-    """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]).
+    """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]),
+    and with the entropy statistic aT [n_split, N] (logp, lse, entropy [N]).
 
     `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
     of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
-    back to False where it cannot fit).
+    back to False where it cannot fit, which with aT is at fewer splits).
     """
     cfg = config(cfg, **knobs)
     n_split, n = mT.shape
-    if cfg.staged and not staged_fits(n_split, cfg.rows):
+    entropy = aT is not None
+    if entropy and tuple(aT.shape) != (n_split, n):
+        raise ValueError(f"the entropy statistic must be [N, n_split] like m, got {aT.shape[::-1]} vs {(n, n_split)}")
+    if cfg.staged and not staged_fits(n_split, cfg.rows, entropy):
         cfg = dataclasses.replace(cfg, staged=False)
     br = row_block(cfg)
     n_pad = -(-max(n, 1) // br) * br
@@ -518,9 +691,12 @@ def fold_transposed(
     def p(x, val):
         return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=val) if pad else x
 
-    logp, lse = _fold_core(
-        p(mT.astype(F32), -jnp.inf),
-        p(sT.astype(F32), 0.0),
+    # Padding rows: m = -inf, S = A = +0 (their outputs are dropped).
+    parts = (p(mT.astype(F32), -jnp.inf), p(sT.astype(F32), 0.0))
+    if entropy:
+        parts += (p(jnp.asarray(aT).astype(F32), 0.0),)
+    out = _fold_core(
+        *parts,
         p(z_t.astype(F32), 0.0),
         p(targets.astype(jnp.int32), C.IGNORE_INDEX),
         p(inv_t.astype(F32), 1.0),
@@ -530,8 +706,9 @@ def fold_transposed(
         interpret=interpret,
         interpret_params=interpret_params,
         cfg=cfg,
+        entropy=entropy,
     )
-    return logp[:n], lse[:n]
+    return tuple(x[:n] for x in out)
 
 
 def fold(
@@ -542,6 +719,7 @@ def fold(
     inv_t,
     vocab_size: int,
     *,
+    a=None,
     interpret: bool = False,
     interpret_params=None,
     cfg: tuning.FoldConfig | None = None,
@@ -552,6 +730,11 @@ def fold(
     Same contract as `detlogp_jax.oracle.fold`. `z_t` is the raw (unscaled,
     post-bias) target logit; `inv_t` = fl(1/T) per row. `cfg` / `knobs`: see
     `fold_transposed` (bit-neutral).
+    a: the entropy statistic A [N, n_split] of the same splits (`partials(...,
+    return_entropy=True)`'s sixth array), or None. Given, returns (logp, lse, entropy)
+    with the entropy of `oracle.fold_entropy` (CONTRACT.md section 9) folded in the
+    same kernel and loop as S; logp and lse keep their bits. None launches exactly
+    the kernel without it.
     """
     m = jnp.asarray(m, F32)
     if m.ndim != 2:
@@ -563,6 +746,7 @@ def fold(
         jnp.asarray(targets),
         jnp.asarray(inv_t),
         vocab_size,
+        aT=None if a is None else jnp.asarray(a, F32).T,
         interpret=interpret,
         interpret_params=interpret_params,
         cfg=cfg,

@@ -47,6 +47,11 @@ tests/gpu/h200_layout.sh).
 
 `sm90_forward_ws` (the decode and prefill buckets) is the same work items and
 bits with the chain in dedicated epilogue warpgroups fed through shared memory.
+
+Entropy (`build(return_entropy=True)`, static): the chain also carries the entropy
+statistic A of `linear-logp-entropy-v1` (docs/CONTRACT.md section 9) in the pipeline
+carry and stores it per (split, row) after z_t; without it the kernel is the one
+built before the statistic existed (benchmarks/mosaic_ir_hashes.py).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def build(
     interpret_params=None,
     lg_rows: int | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ):
     """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
 
@@ -89,6 +95,11 @@ def build(
     so both layouts are to give the same bytes (interpret mode checks the indexing;
     the bits of the non-transposed B read are for the H200 to confirm). The "vd"
     module is the one built before this argument existed.
+
+    return_entropy (static): the chain also carries the entropy statistic A
+    (`linear-logp-entropy-v1`, `common.chain_step(..., a=)`) in the pipeline carry and
+    stores it [n_local, n_pad] after z_t; m, S, z_t and the logits are the same
+    operations as without it. False builds exactly the kernel without the statistic.
     """
     if not isinstance(cfg, tuning.WgmmaForwardConfig):
         raise TypeError(f"sm90_forward_wgmma needs a tuning.WgmmaForwardConfig, got {type(cfg).__name__}")
@@ -128,8 +139,8 @@ def build(
         w_spec = plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms, delay_release=delay)
 
     def kernel(*refs):
-        h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
-            refs, has_bias, return_logits
+        h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out, a_out = common.unpack_refs(
+            refs, has_bias, return_logits, return_entropy
         )
 
         def get_pipeline(body, compute_context):
@@ -194,14 +205,20 @@ def build(
                         m0 = cast(jnp.full((bm,), -jnp.inf, F32), row_l, interpret)
                         s0 = cast(jnp.zeros((bm,), F32), row_l, interpret)
                         zt0 = cast(jnp.zeros((bm,), F32), row_l, interpret)
-                        _, m, s, zt = eval_pipeline((acc_ref, m0, s0, zt0))
+                        init = (acc_ref, m0, s0, zt0)
+                        if return_entropy:  # A starts at +0
+                            init += (cast(jnp.zeros((bm,), F32), row_l, interpret),)
+                        out = eval_pipeline(init)
+                        m, s, zt = out[1:4]
                         m_out.at[js, pl.ds(wrow, bm)][...] = m
                         s_out.at[js, pl.ds(wrow, bm)][...] = s
                         zt_out.at[js, pl.ds(wrow, bm)][...] = zt
+                        if return_entropy:
+                            a_out.at[js, pl.ds(wrow, bm)][...] = out[4]
 
                 ctx_vals = {}
 
-                def epilogue(acc_ref, g, m, s, zt):
+                def epilogue(acc_ref, g, m, s, zt, *a):
                     if delay and not interpret:
                         plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
                     z_all = acc_ref[...]
@@ -218,7 +235,7 @@ def build(
                         if has_bias:
                             b = load(b_gmem.at[pl.ds(tcol0 - c0, TILE)], col_l, interpret)
                             z = ops.add(z, jnp.broadcast_to(b[None, :], (bm, TILE)))
-                        m, s, zt = common.chain_step(
+                        st = common.chain_step(
                             m,
                             s,
                             zt,
@@ -231,7 +248,10 @@ def build(
                             col_iota=col_iota,
                             ops=ops,
                             interpret=interpret,
+                            a=a[0] if a else None,
                         )
+                        m, s, zt = st[:3]
+                        a = st[3:]  # (A,) with the entropy statistic, else ()
                         if return_logits:
                             # Tile t of the work item uses staging slot t % slots; waiting
                             # until at most slots - 1 stores are pending frees this slot.
@@ -258,23 +278,21 @@ def build(
                                 )
 
                     common.zero_acc(acc_ref, bm, gcols, interpret)
-                    return m, s, zt
+                    return (m, s, zt) + tuple(a)
 
                 def mma_body(idxs, h_smem, w_smem, carry):
                     g, k = idxs
-                    acc_ref, m, s, zt = carry
+                    acc_ref, *st = carry  # st: (m, S, z_t[, A])
                     # B = the [K, N] view of the tile: the tile itself ("dv") or its transpose ("vd").
                     plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem if dv else w_smem.T)
                     plgpu.wgmma_wait(delay)
-                    m, s, zt = lax.cond(
+                    st = lax.cond(
                         k == k_iters - 1,
-                        lambda m, s, zt: epilogue(acc_ref, g, m, s, zt),
-                        lambda m, s, zt: (m, s, zt),
-                        m,
-                        s,
-                        zt,
+                        lambda *st: epilogue(acc_ref, g, *st),
+                        lambda *st: st,
+                        *st,
                     )
-                    return acc_ref, m, s, zt
+                    return (acc_ref, *st)
 
                 get_pipeline(mma_body, compute_context)(
                     h_gmem.at[pl.ds(row0, cta_rows), :],
@@ -287,7 +305,7 @@ def build(
 
     return plgpu.kernel(
         kernel,
-        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
+        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols, return_entropy),
         grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=n_wg + 1,

@@ -42,6 +42,11 @@ read in place, slots [tile_k, 64 w], wgmma reads the slot as an N-major B): the
 same bytes land in a slot's operand view, the same instructions run, so both
 layouts are to give the same bits (to be confirmed on the H200).
 
+Entropy (`build(return_entropy=True)`, static): the epilogue warpgroups' chain also
+carries the entropy statistic A (`tile_math.chain_tile_sliced(..., a=)`: u reduced
+from the same slices with the tree of e) and stores it after z_t; the producer and
+wgmma warpgroups are unchanged.
+
 Shared memory: stages * (rows + 64 w) * 2 * tile_k bytes for the ring plus
 num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
 2 x 64 rows, tile_k = 64: 3 stages = 120 KiB + 96 KiB).
@@ -103,6 +108,7 @@ def build(
     interpret_params=None,
     lg_rows: int | None = None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ):
     """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
 
@@ -118,6 +124,12 @@ def build(
     With cluster=2 the multicast splits the dv block along its K rows (each CTA
     loads tile_k / 2 rows of every column) instead of along the vocab rows. The "vd"
     module is the one built before this argument existed.
+
+    return_entropy (static): the epilogue warpgroups' chain also carries the entropy
+    statistic A (`linear-logp-entropy-v1`, `tile_math.chain_tile_sliced(..., a=)`) and
+    stores it [n_local, n_pad] after z_t; the producer and wgmma warpgroups, the
+    barriers, m, S, z_t and the logits are the same as without it. False builds exactly
+    the kernel without the statistic.
     """
     if not isinstance(cfg, tuning.WsForwardConfig):
         raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
@@ -161,8 +173,8 @@ def build(
     load, cast = common.load, common.cast
 
     def kernel(*refs):
-        h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out = common.unpack_refs(
-            refs, has_bias, return_logits
+        h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out, a_out = common.unpack_refs(
+            refs, has_bias, return_logits, return_entropy
         )
 
         scoped = dict(
@@ -312,12 +324,14 @@ def build(
                             row_cast(jnp.zeros((bm,), F32)),
                             row_cast(jnp.zeros((bm,), F32)),
                         )
+                        + ((row_cast(jnp.zeros((bm,), F32)),) if return_entropy else ())  # A starts at +0
                         for _ in bufs
                     )
 
                     def tile_chain(q, b, g):
                         def body(i, st):
-                            m, s, zt = st
+                            m, s, zt = st[:3]
+                            a = st[3] if return_entropy else None
                             tile = t0 + g * w + i  # global tile index
                             tcol0 = tile * TILE
                             # z = fl(acc + b), written back in place: both chain passes and the logits read z.
@@ -350,7 +364,7 @@ def build(
                                                 lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + 8 * j, 8)],
                                             )
 
-                            m2, s2, z_hit = tile_math.chain_tile_sliced(
+                            out = tile_math.chain_tile_sliced(
                                 m,
                                 s,
                                 lambda j: load(dump.at[b, i, j], tile_l, interpret),
@@ -364,9 +378,12 @@ def build(
                                 tile_cast=tile_cast,
                                 row_cast=row_cast,
                                 slices_per_step=sps,
+                                a=a,
                             )
+                            m2, s2, z_hit = out[:3]
                             row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
-                            return row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt))
+                            new = (row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt)))
+                            return new + ((row_cast(out[3]),) if return_entropy else ())
 
                         return body
 
@@ -383,10 +400,12 @@ def build(
 
                     state = lax.fori_loop(0, n_groups, group, init)
                     for q, r in enumerate(rows):
-                        m, s, zt = state[q]
+                        m, s, zt = state[q][:3]
                         m_out.at[js, pl.ds(r, bm)][...] = m
                         s_out.at[js, pl.ds(r, bm)][...] = s
                         zt_out.at[js, pl.ds(r, bm)][...] = zt
+                        if return_entropy:
+                            a_out.at[js, pl.ds(r, bm)][...] = state[q][3]
                     return 0
 
                 lax.fori_loop(0, n_mine, item_body, 0)
@@ -395,7 +414,7 @@ def build(
 
     return plgpu.kernel(
         kernel,
-        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols),
+        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols, return_entropy),
         grid=(n_clusters,),
         grid_names=("cta",),
         **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),

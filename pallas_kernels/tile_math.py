@@ -3,7 +3,9 @@
 Everything here is shared by the GPU path (ops = `PtxOps`, reductions by
 Mosaic GPU's warp shuffles) and the interpret path (ops = `InterpretOps`,
 XLA:CPU). Each function states which contract step it implements; the
-oracle (`detlogp_jax.oracle`) is the specification.
+oracle (`detlogp_jax.oracle`) is the specification. The entropy statistic of
+`linear-logp-entropy-v1` (`chain_tile(..., a=)`, `chain_tile_sliced(..., a=)`,
+`entropy_lanes`, `rescale_a`) is traced only in kernels built with it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def tree64(e, ops, *, interpret: bool):
     return pairwise([slice_sum8(e[:, 8 * j : 8 * j + 8], ops, interpret=False) for j in range(8)], ops)
 
 
-def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, masked: bool = True):
+def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, masked: bool = True, a=None):
     """One step of the ascending split chain for a 64-column tile.
 
     m, s, tgt: [BM] row vectors (running max, running sum, target column id). z: [BM, 64] FP32 logits of the tile
@@ -56,6 +58,13 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
 
     masked=False: the caller guarantees every lane is valid (col < m_limit);
     the masks are then identities and are skipped (same bits).
+
+    a: the entropy statistic A [BM] of the chain (`linear-logp-entropy-v1`), or None
+    (then the step is exactly the one above, nothing of the statistic is traced).
+    Given, the lanes keep d = fl(y - m') for e = pexp(d) (`entropy_lanes`: the same
+    rounded ops as `exp_diff`), u = (e == 0) ? +0 : fl(e * d), and
+    A' = fl(rescale_a(A, S, m, m', alpha) + tree64(u)) with the S and m before this
+    tile and the same tree as e; returns (m', S', z_hit, A').
     """
     bm = z.shape[0]
     y = ops.mul(z, inv_t_b)
@@ -66,9 +75,12 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
     m_new = jnp.maximum(m, tm)
     alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
     m_b = jnp.broadcast_to(m_new[:, None], (bm, C.TILE_V))
-    e = ops.exp_diff(y, m_b)
-    if masked:
-        e = jnp.where(valid, e, jnp.asarray(0.0, F32))
+    if a is None:
+        e = ops.exp_diff(y, m_b)
+        if masked:
+            e = jnp.where(valid, e, jnp.asarray(0.0, F32))
+    else:
+        e, u = entropy_lanes(y, m_b, valid if masked else None, ops)
     s_new = ops.add(ops.mul(s, alpha), tree64(e, ops, interpret=interpret))
     # Target capture: the lane with col == tgt (at most one lane per row). max
     # over -inf and the one hit lane is the hit lane's value exactly (NaN
@@ -77,7 +89,35 @@ def chain_tile(m, s, z, col, tgt, inv_t_b, m_limit, ops, *, interpret: bool, mas
     tgt_b = jnp.broadcast_to(tgt[:, None], (bm, C.TILE_V))
     hit = col == tgt_b
     z_hit = jnp.max(jnp.where(hit, z, jnp.asarray(NEG_INF, F32)), axis=1)
-    return m_new, s_new, z_hit
+    if a is None:
+        return m_new, s_new, z_hit
+    a_new = ops.add(rescale_a(a, s, m, m_new, alpha, ops), tree64(u, ops, interpret=interpret))
+    return m_new, s_new, z_hit, a_new
+
+
+def entropy_lanes(y, m_b, valid, ops):
+    """(e, u) of a tile's (or slice's) lanes for the entropy statistic (CONTRACT.md section 9).
+
+    d = fl(y - m'), e = pexp(d) (the bits of `ops.exp_diff(y, m_b)`: the same subtract,
+    then the same exp instructions, with d kept), +0 where `valid` is False (None: every
+    lane valid), and u = (e == 0) ? +0 : fl(e * d), so padding lanes, underflowed
+    exps and -inf logits add +0.
+    """
+    d = ops.sub(y, m_b)
+    e = ops.exp(d)
+    if valid is not None:
+        e = jnp.where(valid, e, jnp.asarray(0.0, F32))
+    return e, ops.entropy_term(e, d)
+
+
+def rescale_a(a, s, m, m_new, w, ops):
+    """resc(A, S, m, m', w) of CONTRACT.md section 9 (oracle.rescale_a) on row vectors:
+    A if m == m', else +0 if w == 0, else fl(w * fl(A + fl(fl(m - m') * S))), every
+    product and difference flushed (`ops.flush`: the identity for `.ftz` PTX)."""
+    delta = ops.flush(ops.sub(m, m_new))
+    moved = ops.flush(ops.mul(w, ops.add(a, ops.flush(ops.mul(delta, s)))))
+    out = jnp.where(w == 0, jnp.asarray(0.0, F32), moved)
+    return jnp.where(m == m_new, a, out)
 
 
 # The contract's log is shared with the XLA lane (same code, kernel ops).
@@ -119,6 +159,7 @@ def chain_tile_sliced(
     tile_cast,
     row_cast,
     slices_per_step: int = 2,
+    a=None,
 ):
     """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
 
@@ -134,7 +175,29 @@ def chain_tile_sliced(
     tile_cast / row_cast put [BM, 8] / [BM] arrays in the kernel's register
     layouts (identities in interpret mode).
     Returns (m', S', z_hit) as `chain_tile` does.
+
+    a: the entropy statistic A [BM] (or None: exactly the step above). Given, pass 2
+    also forms u from the d of each lane's exp (`entropy_lanes`) and reduces it with
+    the tree of e (slice sums, then the same pairwise levels, in the same loop), and
+    the result is (m', S', z_hit, A') as `chain_tile(..., a=a)` gives.
     """
+    if a is not None:
+        return _chain_tile_sliced_entropy(
+            m,
+            s,
+            a,
+            load_slice,
+            tcol0,
+            tgt,
+            inv_t,
+            m_limit,
+            full,
+            ops,
+            interpret=interpret,
+            tile_cast=tile_cast,
+            row_cast=row_cast,
+            slices_per_step=slices_per_step,
+        )
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
@@ -189,3 +252,67 @@ def chain_tile_sliced(
         tree = pairwise(list(parts), ops)
     s_new = ops.add(ops.mul(s, alpha), tree)
     return m_new, s_new, z_hit
+
+
+def _chain_tile_sliced_entropy(
+    m, s, a, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, *, interpret, tile_cast, row_cast, slices_per_step
+):
+    """`chain_tile_sliced` with the entropy statistic: the same pass 1, and in pass 2 each
+    slice gives the level-3 sums of e and of u (same slices, same tree levels 1-3, then the
+    same pairwise levels 4-6 for both). Returns (m', S', z_hit, A')."""
+    bm = m.shape[0]
+    neg_inf = jnp.asarray(NEG_INF, F32)
+    iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
+    inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
+    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
+    tm = z_hit = None
+    for j in range(8):
+        z = load_slice(j)
+        col = iota8 + (tcol0 + 8 * j)
+        y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
+        tj = jnp.max(y, axis=1)
+        hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
+        tm = tj if tm is None else jnp.maximum(tm, tj)
+        z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
+    m_new = jnp.maximum(m, tm)
+    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
+    m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
+
+    def slice_part(j, masked):
+        z = load_slice(j)
+        y = ops.mul(z, inv_b)
+        valid = None
+        if masked:
+            valid = (iota8 + (tcol0 + 8 * j)) < m_limit
+            y = jnp.where(valid, y, neg_inf)
+        e, u = entropy_lanes(y, m_b, valid, ops)
+        return slice_sum8(e, ops, interpret=interpret), slice_sum8(u, ops, interpret=interpret)
+
+    n_steps = 8 // slices_per_step
+    assert n_steps * slices_per_step == 8, slices_per_step
+
+    def step_sum(k):
+        def sums(masked):
+            parts = [slice_part(k * slices_per_step + q, masked) for q in range(slices_per_step)]
+            return pairwise([p[0] for p in parts], ops), pairwise([p[1] for p in parts], ops)
+
+        return lax.cond(full, lambda: sums(False), lambda: sums(True))
+
+    if n_steps == 1:
+        tree_e, tree_u = step_sum(0)
+    else:
+
+        def step(k, parts):
+            ve, vu = step_sum(k)
+            kk = row_cast(jnp.full((bm,), k, jnp.int32))  # the step index as a row vector
+            pe = tuple(row_cast(jnp.where(kk == q, ve, parts[0][q])) for q in range(n_steps))
+            pu = tuple(row_cast(jnp.where(kk == q, vu, parts[1][q])) for q in range(n_steps))
+            return pe, pu
+
+        zero = jnp.zeros((bm,), F32)
+        init = tuple(row_cast(zero) for _ in range(n_steps))
+        parts_e, parts_u = lax.fori_loop(0, n_steps, step, (init, init))
+        tree_e, tree_u = pairwise(list(parts_e), ops), pairwise(list(parts_u), ops)
+    s_new = ops.add(ops.mul(s, alpha), tree_e)
+    a_new = ops.add(rescale_a(a, s, m, m_new, alpha, ops), tree_u)
+    return m_new, s_new, z_hit, a_new

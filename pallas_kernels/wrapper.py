@@ -40,6 +40,7 @@ _STATIC = (
     "interpret_params",
     "lg_rows",
     "weight_layout",
+    "return_entropy",
 )
 
 
@@ -126,6 +127,7 @@ def partials(
     interpret: bool = False,
     interpret_params=None,
     weight_layout: str = "vd",
+    return_entropy: bool = False,
 ):
     """Per-split LSE partials of z = hidden @ W.T (+ bias) for the local shard.
 
@@ -164,10 +166,17 @@ def partials(
         H200 checks it: tests/gpu/test_pallas_gpu.py, tests/gpu/h200_layout.sh).
         The dv weight is never padded or copied (`unsupported` refuses a V that
         is not a multiple of 64).
+      return_entropy: a static kernel build argument: the kernels also carry
+        the entropy statistic A of `linear-logp-entropy-v1` (docs/CONTRACT.md
+        section 9) next to S through the same tiles, tree and chain, and it is
+        returned as a sixth array (as `detlogp_jax.reference.partials` does);
+        m, S, z_t and the logits are the same bytes either way. False launches
+        exactly the kernels without the statistic.
 
     Returns:
       (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
-       logits [N, Vl] f32 or None). z_t is the raw target logit captured by
+       logits [N, Vl] f32 or None), and with return_entropy a sixth array,
+      A [N, n_local] f32. z_t is the raw target logit captured by
       the one tile owning the target (0 where `owned` is False).
     """
     hidden = jnp.asarray(hidden)
@@ -229,8 +238,11 @@ def partials(
         interpret_params=interpret_params,
         lg_rows=lg_rows,
         weight_layout=weight_layout,
+        return_entropy=bool(return_entropy),
     )
     m_t, s_t, zt_t = outs[:3]
+    a_t = outs[3] if return_entropy else None
+    outs = outs[:3] + outs[4:] if return_entropy else outs  # the logits (if any) follow A
     logits = None
     if return_logits:
         logits = outs[3]
@@ -248,7 +260,8 @@ def partials(
     local_tile = jnp.clip((targets - geom.col_offset) // TILE, 0, local_tiles - 1)
     owner = jnp.asarray(tile_to_split)[local_tile]
     z_t = jnp.where(owned, zt_t[owner, jnp.arange(n)], jnp.asarray(0.0, F32))
-    return m_t[:, :n].T, s_t[:, :n].T, z_t, owned, logits
+    out = (m_t[:, :n].T, s_t[:, :n].T, z_t, owned, logits)
+    return out + (a_t[:, :n].T,) if return_entropy else out
 
 
 __all__ = ["partials", "unsupported"]

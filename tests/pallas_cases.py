@@ -32,3 +32,18 @@ def fold_problem(n, ns, v, seed):
     t[10], t[11], t[12] = C.IGNORE_INDEX, v, -3
     inv_t = oracle.inv_temperature(rng.uniform(0.3, 2, n).astype(np.float32), n)
     return m, s, z_t, t, inv_t
+
+
+def entropy_fold_problem(n, ns, v, seed):
+    """fold_problem's partials and an entropy statistic A for them (`linear-logp-entropy-v1`):
+    A = -S * U(0, 6) (A <= 0, as the chain makes it), A = 0 where S = 0, -0 zeros in row 9, a NaN
+    A in row 10, tiny statistics in row 11 (their rescale products underflow and are flushed).
+    Returns (m, s, a, z_t, targets, inv_t); rows 0-8 keep fold_problem's edge rows."""
+    m, s, z_t, t, inv_t = fold_problem(n, ns, v, seed=seed)
+    rng = np.random.default_rng(seed + 1000)
+    a = (-s * rng.uniform(0, 6, (n, ns))).astype(np.float32)
+    a[s == 0] = 0.0
+    a[9, :] = np.float32(-0.0)
+    a[10, ns // 2] = np.nan
+    a[11, :] = oracle.f_mul(s[11, :], np.float32(-1e-30))
+    return m, s, a, z_t, t, inv_t

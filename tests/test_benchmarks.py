@@ -327,3 +327,38 @@ def test_residuals_option_for_fwd_bwd():
     for k in ("d_hidden", "d_weight"):
         x, y = np.asarray(a[k], np.float64), np.asarray(r[k], np.float64)
         assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(y), k
+
+
+def test_entropy_cases_in_the_same_run(monkeypatch):
+    """--entropy: each library backend's case is followed by its '<backend>+entropy' case (same M,
+    same inputs) with the time ratio and a logp/lse bytes check, and returns the entropy; a
+    backend that does not declare the entropy (pallas_sm90 before ENTROPY_VALIDATED) is skipped
+    with the way to run it; baselines get no entropy case."""
+    from detlogp_jax import backends
+
+    try:
+        run.FLAGS(["run", "--shape=tiny", "--ms=1", "--entropy", "--backends=reference,gemm"])
+        cfg = run.config_from_flags()
+    finally:
+        run.FLAGS.unparse_flags()
+    assert cfg.entropy
+    cfg = run.RunConfig(**{**cfg.__dict__, "warmup": 1, "iters": 2})
+    doc = run.run(cfg)
+    got = _cases(doc)
+    assert set(got) == {("reference", 1), ("reference+entropy", 1), ("gemm", 1)}
+    c = got[("reference+entropy", 1)]
+    assert c["status"] == "ok" and c["entropy_same_logp_lse"] is True
+    assert c["entropy_time_ratio"] == pytest.approx(c["median_ms"] / got[("reference", 1)]["median_ms"])
+    assert got[("reference", 1)]["entropy_time_ratio"] is None
+    assert "entropy reference M=1:" in run.report.format_entropy_summary([run.CaseResult(**x) for x in doc["cases"]])
+    h, t = run.make_inputs(cfg, 1)[0]
+    w = run.make_weight(cfg)
+    out = jax.jit(cases.build(cfg.spec("reference", entropy=True)))(h, w, t)
+    assert out["entropy"].shape == (1,) and np.asarray(out["entropy"])[0] > 0
+    be = backends.get("pallas_sm90")
+    fake = type(be)(**{**be.__dict__, "available": lambda: True})
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
+    why = cases.unsupported_reason("pallas_sm90", jnp.zeros((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16), "vd", True)
+    assert "with_entropy" in why
+    with pytest.raises(ValueError, match="library backend"):
+        cases.CaseSpec("gemm", shapes.get("tiny"), entropy=True)

@@ -99,12 +99,73 @@ def test_ptx_text_is_pinned():
         "shl.b32",
         "setp.lt.s32",
         "mov.f32",
+        "setp.eq.f32",  # the entropy's lane term (e == 0)
+        "div.rn.ftz.f32",  # the entropy's rcp(S): IEEE division, round-to-nearest-even
     }
-    for prog in (ptx_programs.PEXP_DIFF, ptx_programs.PEXP, ptx_programs.MUL, ptx_programs.ADD, ptx_programs.SUB):
+    progs = (ptx_programs.PEXP_DIFF, ptx_programs.PEXP, ptx_programs.MUL, ptx_programs.ADD, ptx_programs.SUB)
+    for prog in progs + (ptx_programs.ENTROPY_TERM, ptx_programs.RCP):
         text = prog.ptx()
         assert "fma" not in text and "approx" not in text and "ex2" not in text
         ops = {m.group(1) for m in re.finditer(r"^\s*([a-z][\w.]*)\s", text, re.M)}
         assert ops <= allowed, ops - allowed
+
+
+def test_ptx_entropy_term_equals_oracle():
+    """ENTROPY_TERM (e, d) -> (e == 0) ? +0 : mul.rn.ftz(e, d), executed by the simulator, ==
+    the oracle's u on exps of differences (incl. +-0, -inf, NaN, underflow, subnormal products)."""
+    a, b = _inputs(seed=4)
+    d = oracle.f_sub(a, b)
+    d = d[~(d > 0)]  # the kernels' domain: d = fl(y - m') <= 0 (or NaN); pexp is not defined above ~88
+    e = oracle.pexp(d)
+    want = np.where(e == 0, np.float32(0), oracle.f_mul(e, d)).astype(np.float32)
+    assert _same(ptx_programs.ENTROPY_TERM.simulate(e, d), want)
+    # +0 for a zero e whatever d is (-inf, NaN, -0), the sign of a zero product kept otherwise
+    e2 = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 2.0**-125, np.nan, 1.0], np.float32)
+    d2 = np.array([-np.inf, np.nan, -0.0, -0.0, 0.0, -(2.0**-3), -1.0, np.inf], np.float32)
+    got = ptx_programs.ENTROPY_TERM.simulate(e2, d2)
+    assert _same(got[:6], np.array([0.0, 0.0, 0.0, -0.0, 0.0, -0.0], np.float32))  # -2^-128 flushed to -0 (FTZ)
+    assert np.isnan(got[6]) and got[7] == np.inf
+    # interpret mode's entry point gives the same bits
+    ops = ptx_ops.InterpretOps(numerics.opaque_zero(jnp.asarray(e)))
+    assert _same(jax.jit(ops.entropy_term)(e, d), want)
+
+
+def test_ptx_rcp_equals_oracle_and_reciprocal_rn():
+    """RCP = div.rn.ftz.f32 1.0 / s (simulated as IEEE division under FTZ) == oracle.reciprocal ==
+    numerics.reciprocal_rn (the integer division interpret mode and XLA use) on every significand of
+    a few exponents, random S of a fold's range, and the specials."""
+    rng = np.random.default_rng(9)
+    sig = np.arange(1 << 23, dtype=np.uint32)
+    grid = np.concatenate([(sig | np.uint32(e << 23)).view(np.float32) for e in (127, 130, 200)])
+    x = np.concatenate(
+        [
+            grid,
+            np.exp(rng.uniform(0, 80, 100000)).astype(np.float32),
+            np.array([0.0, -0.0, 1e-40, np.inf, -np.inf, np.nan, 1.0, 2.0**126, 2.0**127, 3.4e38, -2.5], np.float32),
+        ]
+    )
+    got = ptx_programs.RCP.simulate(x)
+    assert _same(got, oracle.reciprocal(x))
+    assert _same(got, jax.jit(numerics.reciprocal_rn)(x))
+
+
+def test_interpret_pins_survive_a_dropped_add_of_zero():
+    """InterpretOps pins by an integer add of the opaque zero: with numerics.XlaOps' xor, a sum
+    starting from +0 (0 + t0, dropped by XLA) cancelled t0's pin and LLVM fused t0's product into
+    the next add (an FMA, one ulp off here); the pinned sum now equals the oracle's."""
+    s = np.array([[38.120705, 24.510519]], np.float32)
+    w = np.array([[0x3EA1EAF5, 0x3C7BA890]], np.uint32).view(np.float32)
+    want = oracle.f_add(oracle.f_add(np.float32(0), oracle.f_mul(s[0, 0], w[0, 0])), oracle.f_mul(s[0, 1], w[0, 1]))
+
+    @jax.jit
+    def chain(s, w, src):
+        ops = ptx_ops.InterpretOps(numerics.opaque_zero(src))
+        acc = jnp.zeros_like(s[:, 0])
+        for j in range(2):
+            acc = ops.add(acc, ops.mul(s[:, j], w[:, j]))
+        return acc
+
+    assert _same(chain(s, w, jnp.ones((1,), jnp.float32)), want[None])
 
 
 def test_plog_equals_oracle():
@@ -577,6 +638,100 @@ def test_fold_lowers_for_cuda(n, n_split, knobs):
     jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
 
 
+_ENTROPY_VARIANTS = [
+    *sorted(tuning.BUCKETS),
+    dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="epi2", epilogue_wgs=2, epilogue_slices=1),
+]
+
+
+def _lower_entropy(n, d, v, vp, bucket, bias, logits, weight_layout="vd", vl=None, **kw):
+    vl = v if vl is None else vl
+    args = [
+        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((d, vl) if weight_layout == "dv" else (vl, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((vl,), jnp.float32) if bias else None,
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    ]
+
+    def f(h, w, b, t, it):
+        out = pk.partials(
+            h,
+            w,
+            b,
+            t,
+            it,
+            vocab_size=v,
+            padded_vocab_size=vp,
+            return_logits=logits,
+            bucket=bucket,
+            weight_layout=weight_layout,
+            return_entropy=True,
+            **kw,
+        )
+        assert len(out) == 6 and out[5].shape == out[0].shape
+        return out
+
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("bucket", _ENTROPY_VARIANTS, ids=lambda b: getattr(b, "name", b))
+def test_entropy_forward_lowers_for_cuda(bucket):
+    """Both forward kernels built with return_entropy=True lower for CUDA (the PEXP /
+    ENTROPY_TERM blocks, the A carry in the pipeline / epilogue loops, the fourth output):
+    serving with bias, trainer on a TP shard, and a [D, V] weight."""
+    rows = 300 if getattr(bucket, "cluster", 1) > 1 else 70
+    _lower_entropy(rows, 192, 1000, 1024, bucket, bias=True, logits=True)
+    _lower_entropy(rows, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512, vl=512)
+    _lower_entropy(rows, 192, 1000, 1024, bucket, bias=False, logits=True, weight_layout="dv", vl=1024)
+
+
+@pytest.mark.parametrize(
+    "n,n_split,knobs",
+    [(300, 264, {}), (1, 37, {}), (5, 9, {"chunk": 4}), (70, 1, {}), (3, 600, {}), (300, 264, {"staged": False})],
+)
+def test_entropy_fold_lowers_for_cuda(n, n_split, knobs):
+    """The fold with A (both layouts; n_split = 600 falls back to the row loop with A) lowers for
+    CUDA: the A terms block, the two-sum chain block, the RCP block, the third output."""
+    a = jax.ShapeDtypeStruct((n, n_split), jnp.float32)
+    v = jax.ShapeDtypeStruct((n,), jnp.float32)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    def f(m, s, st, z, tt, it):
+        out = pk.fold(m, s, z, tt, it, 151936, a=st, **knobs)
+        assert len(out) == 3
+        return out
+
+    jax.jit(f).trace(a, a, a, v, t, v).lower(lowering_platforms=("cuda",))
+
+
+def test_pallas_entry_declares_the_entropy_only_once_validated(monkeypatch):
+    """The registry entry keeps entropy=False (ENTROPY_VALIDATED) so return_entropy=True is refused
+    on pallas_sm90 (auto falls back); backend_entry() follows the flag; the entry's partials/fold
+    take the entropy arguments the op passes; the dz kernel does not take the entropy term."""
+    from detlogp_jax import backends
+    from pallas_kernels import backend as pallas_backend
+
+    assert pallas_backend.ENTROPY_VALIDATED is False
+    be = backends.get("pallas_sm90")
+    assert be.entropy is False and be.dz.entropy is False
+    fake = type(be)(**{**be.__dict__, "available": lambda: True})
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
+    h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
+    with pytest.raises(backends.BackendUnavailableError, match="entropy"):
+        backends.resolve("pallas_sm90", h, w, entropy=True)
+    monkeypatch.setattr(pallas_backend, "ENTROPY_VALIDATED", True)
+    flipped = pallas_backend.backend_entry()
+    assert flipped.entropy is True and flipped.dz.entropy is False
+    monkeypatch.setitem(
+        backends._LOADED, "pallas_sm90", type(flipped)(**{**flipped.__dict__, "available": lambda: True})
+    )
+    assert backends.resolve("pallas_sm90", h, w, entropy=True)[0].entropy
+
+
 @pytest.mark.slow
 def test_qwen_forward_lowers_for_cuda():
     _lower(4096, 4096, 151936, 152064, "prefill", bias=False, logits=False)
@@ -584,6 +739,10 @@ def test_qwen_forward_lowers_for_cuda():
     # A Flax/Tunix [4096, 151936] kernel read in place (unpadded, declared with the padded vocab).
     _lower(4096, 4096, 151936, 152064, "prefill", bias=False, logits=False, weight_layout="dv")
     _lower(1, 4096, 151936, 152064, "decode", bias=False, logits=True, weight_layout="dv")
+    # The entropy variants at the Qwen3-8B shape (the hash tool lowers every one of them).
+    _lower_entropy(4096, 4096, 151936, 152064, "prefill", bias=False, logits=False)
+    _lower_entropy(1, 4096, 151936, 152064, "decode", bias=True, logits=True)
+    _lower_entropy(65, 4096, 151936, 152064, "small", bias=False, logits=False)
 
 
 def test_pallas_backend_resolves_a_dv_weight(monkeypatch):

@@ -23,13 +23,21 @@ Stages (each catches its own exceptions, so one failure does not hide the rest):
      at M=1/300/4096 and with bias + per-row T; E2 batch invariance with dv:
      probe rows alone (dv, M=1) vs inside batches (every bucket at 4096, an M
      sweep), and the dv probes alone == the vd probes alone.
+  F  the entropy statistic (linear-logp-entropy-v1; the kernels called directly with
+     return_entropy=True / fold(a=A), before pallas_kernels.backend.ENTROPY_VALIDATED):
+     F1 (m, S, A) per split and (logp, lse, entropy) == the oracle's from the kernel's
+     own logits at M=1/300/4096 and with bias + per-row T at M=65; return_entropy off
+     changes no m/S/z_t/logp/lse/logits byte; trainer == serving; F2 batch invariance of
+     A and the entropy: probe rows alone (M=1) vs inside batches of the B2 M sweep
+     1..16384 (natural bucket; every bucket forced at 1/65/4096).
 
 Run (repository root, H200):  python tests/gpu/run_ladder.py
 Env: OUT=<dir> writes $OUT/pallas_ladder.json (+ ptxas reports);
      LADDER_BUDGET_S (default 540) total wall budget, later stages are skipped
      past it; LADDER_STAGE_TIMEOUT_S (default 240) per-stage watchdog (a hung
      kernel ends the process after writing what was collected);
-     LADDER_STAGES=ABCDE to select stages (default: all); LADDER_DUMP=0 disables the
+     LADDER_STAGES=ABCDEF to select stages (default: A-E; F, the entropy, only when
+     named); LADDER_DUMP=0 disables the
      MOSAIC_GPU_DUMP_TO ptxas report collection.
 """
 
@@ -204,6 +212,7 @@ def entry_fn(
     shard_cols=None,
     fold=True,
     weight_layout="vd",
+    return_entropy=False,
 ):
     """The backend called eagerly (as a training/serving step would call it outside
     an outer jit): pk.partials / pk.fold jit their kernels on the padded row count,
@@ -211,7 +220,7 @@ def entry_fn(
 
     def f(h, w, b, t, it):
         extra = dict(interpret=True, num_ctas=2) if DRY else {}
-        m, s, zt, own, lg = pk.partials(
+        m, s, zt, own, lg, *out_a = pk.partials(
             h,
             w,
             b,
@@ -224,8 +233,14 @@ def entry_fn(
             return_logits=return_logits,
             bucket=bucket,
             weight_layout=weight_layout,
+            **({"return_entropy": True} if return_entropy else {}),
             **extra,
         )
+        if return_entropy:  # (m, s, zt, own, lg, a, [logp, lse, entropy])
+            a = out_a[0]
+            if not fold:
+                return m, s, zt, own, lg, a
+            return (m, s, zt, own, lg, a) + tuple(pk.fold(m, s, zt, t, it, vocab_size, a=a, interpret=DRY))
         if not fold:
             return m, s, zt, own, lg
         logp, lse = pk.fold(m, s, zt, t, it, vocab_size, interpret=DRY)
@@ -237,6 +252,8 @@ def entry_fn(
 def run(h, w, b, t, it, **kw):
     out = jax.block_until_ready(entry_fn(**kw)(h, w, b, t, it))
     names = ("m", "s", "z_t", "owned", "logits", "logp", "lse")
+    if kw.get("return_entropy"):
+        names = ("m", "s", "z_t", "owned", "logits", "a", "logp", "lse", "entropy")
     return dict(zip(names, out))
 
 
@@ -656,11 +673,148 @@ def stage_e2(rec):
     return ok
 
 
+# ----------------------------------------------------------------------------------------------
+# F: the entropy statistic (linear-logp-entropy-v1), the kernels called directly
+ENTROPY_FIELDS = ("m", "s", "a", "logp", "lse", "entropy")
+
+
+def zero_sign_only(a, b):
+    """Entries whose bytes differ only in the sign of a zero (the sign of a zero A never reaches
+    the entropy: CONTRACT.md section 9)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return (u32(a) != u32(b)) & (a == 0) & (b == 0)
+
+
+def check_entropy_vs_oracle(rec, tag, out, t, inv_t, temp, v, vp, rows):
+    """(m, S, A) per split and (logp, lse, entropy) vs the oracle on the kernel's own logits."""
+    lg = np.asarray(out["logits"][jnp.asarray(rows)])
+    tt = np.asarray(t)[rows]
+    tmp = temp if np.ndim(temp) == 0 else np.asarray(temp)[rows]
+    mo, so, ao = oracle.split_partials(oracle.ftz(lg), v, vp, np.asarray(inv_t)[rows], return_entropy=True)
+    rl, rs, rh = oracle.logp_lse_entropy(lg, tt, temperature=tmp, vocab_size=v, padded_vocab_size=vp)
+    a = np.asarray(out["a"])[rows]
+    zs = zero_sign_only(a, ao)
+    bad = {
+        "m": n_diff_rows(np.asarray(out["m"])[rows], mo),
+        "s": n_diff_rows(np.asarray(out["s"])[rows], so),
+        "a": n_diff_rows(np.where(zs, ao, a), ao),
+        "logp": n_diff_rows(np.asarray(out["logp"])[rows], rl),
+        "lse": n_diff_rows(np.asarray(out["lse"])[rows], rs),
+        "entropy": n_diff_rows(np.asarray(out["entropy"])[rows], rh),
+    }
+    ent = np.asarray(out["entropy"])[rows]
+    rec[tag] = {
+        "rows_checked": len(rows),
+        "rows_differing": bad,
+        "a_zero_sign_only_entries": int(zs.sum()),
+        "entropy_min_max": [float(np.nanmin(ent)), float(np.nanmax(ent))],
+    }
+    return all(v_ == 0 for v_ in bad.values())
+
+
+def fields_identical(rec, tag, a, b, fields):
+    diff = {k: n_diff_rows(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32)) for k in fields}
+    rec[tag] = diff
+    return all(v_ == 0 for v_ in diff.values())
+
+
+@stage("F1 entropy: oracle, on/off, trainer==serving")
+def stage_f1(rec):
+    w = qwen_w()
+    ok = True
+    cases = [(m_rows, False) for m_rows in ((1, 70) if DRY else (1, 300, BIG_M))] + [(65, True)]
+    for m_rows, rich in cases:
+        h = pool()[:m_rows]
+        t = targets_for(m_rows, V, m_rows + 23)
+        rng = np.random.default_rng(m_rows + 1)
+        temp = rng.uniform(0.5, 1.5, m_rows).astype(np.float32) if rich else np.float32(0.7)
+        it = jnp.asarray(oracle.inv_temperature(temp, m_rows))
+        b = rnd((V,), jnp.float32) if rich else None
+        tag = f"M{m_rows}" + ("_bias_rowT" if rich else "")
+        kw = dict(vocab_size=V, padded_vocab_size=VP)
+        srv = run(h, w, b, t, it, return_logits=True, return_entropy=True, **kw)
+        plain = run(h, w, b, t, it, return_logits=True, **kw)
+        trn = run(h, w, b, t, it, return_entropy=True, **kw)
+        rows = np.unique(np.linspace(0, m_rows - 1, min(m_rows, 128)).astype(int))
+        ok &= check_entropy_vs_oracle(rec, f"{tag}_oracle", srv, t, it, temp, V, VP, rows)
+        ok &= entries_identical(rec, f"{tag}_entropy_off", srv, plain)
+        lg_bad = logits_rows_differing(srv["logits"], plain["logits"], V)
+        rec[f"{tag}_entropy_off_logits_rows_differing"] = lg_bad
+        ok &= lg_bad == 0
+        ok &= fields_identical(rec, f"{tag}_trainer_vs_serving", srv, trn, ENTROPY_FIELDS + ("z_t",))
+        rec[f"{tag}_entropy_sample"] = np.asarray(srv["entropy"])[:3].tolist()
+        del srv, plain, trn
+    rec["brief"] = "; ".join(
+        f"{k}: {v_['rows_differing']}" for k, v_ in rec.items() if isinstance(v_, dict) and "rows_differing" in v_
+    )[:300]
+    return ok
+
+
+@functools.lru_cache(maxsize=None)
+def probe_refs_entropy():
+    """Each probe row alone (M=1, natural = decode bucket) with the entropy statistic."""
+    tall = targets_for(POOL_N, V, 7)
+    refs = []
+    for p in PROBES:
+        it = jnp.asarray(oracle.inv_temperature(TEMP_B, 1))
+        out = run(
+            pool()[p : p + 1],
+            qwen_w(),
+            None,
+            tall[p : p + 1],
+            it,
+            vocab_size=V,
+            padded_vocab_size=VP,
+            return_entropy=True,
+        )
+        refs.append({f: np.asarray(out[f]) for f in ENTROPY_FIELDS})
+    return tall, refs
+
+
+def compare_probe_fields(batch_out, placed, refs, fields):
+    bad = {f: 0 for f in fields}
+    for k, pos in placed:
+        for f in fields:
+            if n_diff_rows(np.asarray(batch_out[f])[pos : pos + 1], refs[k][f]):
+                bad[f] += 1
+    return bad
+
+
+@stage("F2 entropy batch invariance (M sweep 1..16384)")
+def stage_f2(rec):
+    tall, refs = probe_refs_entropy()
+    _, refs_plain = probe_refs()  # the probes' logp/lse without the statistic
+    rec["alone_entropy_vs_plain"] = {
+        f: sum(n_diff_rows(a[f], c[f]) for a, c in zip(refs, refs_plain)) for f in ("m", "s", "logp", "lse")
+    }
+    ok = not any(rec["alone_entropy_vs_plain"].values())
+    for m_rows in M_LIST:
+        if time.time() - T_START > BUDGET - 60:
+            rec[f"M{m_rows}"] = "skipped (budget)"
+            continue
+        n_p = min(len(PROBES), m_rows)
+        positions = sorted({(k * 997 + m_rows // 2) % m_rows for k in range(n_p)})
+        h, t, placed = build_batch(m_rows, positions, tall)
+        it = jnp.asarray(oracle.inv_temperature(TEMP_B, m_rows))
+        for bucket in BUCKETS if m_rows in FORCE_ALL_AT else [None]:
+            out = run(h, qwen_w(), None, t, it, vocab_size=V, padded_vocab_size=VP, bucket=bucket, return_entropy=True)
+            bad = compare_probe_fields(out, placed, refs, ENTROPY_FIELDS)
+            rec[f"M{m_rows}_{tuning.select_bucket(m_rows, bucket).name}"] = bad
+            ok &= not any(bad.values())
+            del out
+    fails = [k for k, v_ in rec.items() if isinstance(v_, dict) and any(v_.values())]
+    n_runs = sum(isinstance(v_, dict) for v_ in rec.values()) - 1
+    rec["brief"] = f"{n_runs} runs, failing: {fails}"
+    if n_runs <= 0:
+        raise RuntimeError("no M of the sweep ran within the budget (raise LADDER_BUDGET_S)")
+    return ok
+
+
 def main():
     todo = [("A", stage_a1), ("A", stage_a2), ("B", stage_b1), ("B", stage_b2), ("C", stage_c1), ("D", stage_d1)]
-    todo += [("E", stage_e1), ("E", stage_e2)]
+    todo += [("E", stage_e1), ("E", stage_e2), ("F", stage_f1), ("F", stage_f2)]
     # Timing early enough that a budget overrun in B does not lose it.
-    order = [todo[0], todo[1], todo[5], todo[4], todo[2], todo[3], todo[6], todo[7]]
+    order = [todo[0], todo[1], todo[5], todo[4], todo[2], todo[3], todo[6], todo[7], todo[8], todo[9]]
     for letter, fn in order:
         if letter in STAGES:
             fn()

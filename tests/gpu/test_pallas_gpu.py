@@ -264,3 +264,164 @@ def test_dv_layout_gives_the_vd_bytes_at_the_qwen_shape(m):
     srv = linear_logp(h, w, tj, temperature=tempj, vocab_size=QWEN_VOCAB, backend="pallas_sm90")
     for f in ("logp", "lse"):
         assert_bitwise_equal(np.asarray(getattr(trn, f)), np.asarray(getattr(srv, f)), f"{f} dv trainer M={m}")
+
+
+# --- the entropy statistic (linear-logp-entropy-v1) in the kernels ------------------------------
+# Called through pk.partials(..., return_entropy=True) / pk.fold(..., a=A) directly, not through the
+# registry (pallas_kernels.backend.ENTROPY_VALIDATED is False until these pass on the H200).
+
+
+def _same_or_zero_signs(a, b, what):
+    """Bitwise equal, except that +0 and -0 count as equal (CONTRACT.md section 9: the sign of a zero
+    A never reaches the entropy); NaN == NaN whatever the payload. Returns the zero-sign differences."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    ua, ub = a.view(np.uint32), b.view(np.uint32)
+    zero_sign = (ua != ub) & (a == 0) & (b == 0)
+    bad = (ua != ub) & ~zero_sign & ~(np.isnan(a) & np.isnan(b))
+    assert not bad.any(), f"{what}: {int(bad.reshape(bad.shape[0], -1).any(1).sum())} rows differ in bytes"
+    return int(zero_sign.sum())
+
+
+def _entropy_entry(h, w, b, t, inv_t, *, entropy=True, **kw):
+    """pk.partials + pk.fold at the Qwen3-8B head; arrays stay on the device (logits are 2.5 GB at M=4096)."""
+    out = pk.partials(
+        h, w, b, t, inv_t, vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS, return_entropy=entropy, **kw
+    )
+    m, s, zt, own, lg = out[:5]
+    res = dict(m=m, s=s, z_t=zt, owned=own, logits=lg)
+    if entropy:
+        res["a"] = out[5]
+        res["logp"], res["lse"], res["entropy"] = pk.fold(m, s, zt, t, inv_t, QWEN_VOCAB, a=out[5])
+    else:
+        res["logp"], res["lse"] = pk.fold(m, s, zt, t, inv_t, QWEN_VOCAB)
+    return jax.block_until_ready(res)
+
+
+def _np(res, *keys):
+    return {k: np.asarray(res[k]) for k in keys}
+
+
+@pytest.mark.parametrize("m", [1, 65, 4096], ids=lambda m: f"M{m}")
+def test_entropy_at_the_qwen_shape(m):
+    """The kernels with the entropy statistic at the Qwen3-8B head (D=4096, V_rows=152064, vocab
+    151936, bf16), every bucket forced, without and with bias, per-row temperatures, edge targets:
+    * (m, S, A) per split and (logp, lse, entropy) == the oracle's from the kernel's own logits (up
+      to 64 rows), bit for bit (A: +-0 counted equal, see _same_or_zero_signs);
+    * return_entropy off gives the same m/S/z_t/owned/logp/lse and logits bytes;
+    * the trainer entry (no logits) gives the serving entry's m/S/z_t/A/logp/lse/entropy bytes;
+    * every bucket gives the same A and entropy bytes; probe rows alone (M=1) == inside the batch."""
+    w, _, b_full = _qwen_head()
+    rng = np.random.default_rng(100 + m)
+    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
+    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
+    if m > 3:
+        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, 0
+    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    inv_t = oracle.inv_temperature(temp, m)
+    tj, itj = jnp.asarray(t), jnp.asarray(inv_t)
+    rows = np.unique(np.linspace(0, m - 1, min(m, 64)).astype(int))
+    probes = np.unique([0, m // 2, m - 1])
+    zero_signs = 0
+    for bias in (None, b_full):
+        first = None
+        alone = [
+            _np(_entropy_entry(h[p : p + 1], w, bias, tj[p : p + 1], itj[p : p + 1]), "m", "s", "a", "entropy")
+            for p in probes
+        ]
+        for bucket in sorted(tuning.BUCKETS):
+            what = f"M={m} {bucket} bias={bias is not None}"
+            kw = dict(bucket=bucket, return_logits=True, logits_cols=QWEN_VOCAB)
+            srv = _entropy_entry(h, w, bias, tj, itj, **kw)
+            got = _np(srv, "m", "s", "z_t", "owned", "a", "logp", "lse", "entropy")
+            # The oracle on the kernel's own logits.
+            lg = np.asarray(srv["logits"][jnp.asarray(rows)])
+            mo, so, ao = oracle.split_partials(
+                oracle.ftz(lg), QWEN_VOCAB, QWEN_V_ROWS, inv_t[rows], return_entropy=True
+            )
+            assert_bitwise_equal(got["m"][rows], mo, f"m vs oracle {what}")
+            assert_bitwise_equal(got["s"][rows], so, f"S vs oracle {what}")
+            zero_signs += _same_or_zero_signs(got["a"][rows], ao, f"A vs oracle {what}")
+            rl, rs, rh = oracle.logp_lse_entropy(
+                lg, t[rows], temperature=temp[rows], vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS
+            )
+            assert_bitwise_equal(_nan_canonical(got["logp"][rows]), _nan_canonical(rl), f"logp vs oracle {what}")
+            assert_bitwise_equal(got["lse"][rows], rs, f"lse vs oracle {what}")
+            assert_bitwise_equal(got["entropy"][rows], rh, f"entropy vs oracle {what}")
+            assert np.all(got["entropy"] >= 0) and np.isfinite(got["entropy"]).all(), what
+            # return_entropy off: no byte of the contract's outputs moves.
+            plain = _entropy_entry(h, w, bias, tj, itj, entropy=False, **kw)
+            for k, v in _np(plain, "m", "s", "z_t", "owned", "logp", "lse").items():
+                assert_bitwise_equal(
+                    np.asarray(v, np.float32), np.asarray(got[k], np.float32), f"{k} entropy off {what}"
+                )
+            bad = _rows_differing_on_device(plain["logits"], srv["logits"])
+            assert bad == 0, f"logits entropy off {what}: {bad} rows differ"
+            del plain, srv
+            if bias is None:  # the trainer entry (no logits)
+                trn = _np(
+                    _entropy_entry(h, w, bias, tj, itj, bucket=bucket), "m", "s", "z_t", "a", "logp", "lse", "entropy"
+                )
+                for k, v in trn.items():
+                    assert_bitwise_equal(v, got[k], f"{k} trainer vs serving {what}")
+            # Every bucket the same bytes; the probe rows alone the same bytes as in the batch.
+            if first is None:
+                first = got
+            for k in ("a", "entropy", "logp", "lse"):
+                assert_bitwise_equal(got[k], first[k], f"{k} {what} vs bucket {sorted(tuning.BUCKETS)[0]}")
+            for p, ref in zip(probes, alone):
+                for k in ("m", "s", "a", "entropy"):
+                    assert_bitwise_equal(got[k][p : p + 1], ref[k], f"{k} row {p} alone vs in the batch {what}")
+    if zero_signs:
+        import warnings
+
+        warnings.warn(f"M={m}: {zero_signs} A entries differ from the oracle only in the sign of a zero")
+
+
+FOLD_RANDOM_ROWS = 4096  # random rows of the fold test next to the edge rows
+
+
+@pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264, 455, 600])
+def test_fold_entropy_layouts_equal_oracle(n_split):
+    """On the GPU the fold with A (the A terms, the two-sum chain, h = plog(S) - A * rcp(S) with
+    rcp = div.rn.ftz.f32) equals oracle.fold / oracle.fold_entropy bit for bit (NaN payloads aside),
+    every layout and knob (n_split = 455 / 600: the staged layout does not fit A at rows = 64 / 32
+    and falls back), edge rows, and 4096 random rows (S_j in [1, 1.2e6], folded S up to ~1e8); all
+    layouts give the same bytes; a row alone gives its bytes in the batch."""
+    from pallas_kernels import sm90_fold
+    from tests.pallas_cases import entropy_fold_problem
+
+    n, v = 200, 151936
+    m, s, a, z_t, t, inv_t = entropy_fold_problem(n, n_split, v, seed=n_split)
+    rng = np.random.default_rng(n_split)
+    nr = FOLD_RANDOM_ROWS
+    mr = rng.normal(0, 3, (nr, n_split)).astype(np.float32)
+    sr = np.exp(rng.uniform(0, 14, (nr, n_split))).astype(np.float32)  # S_j >= 1, as a chain makes it
+    ar = (-sr * rng.uniform(0, 12, (nr, n_split))).astype(np.float32)
+    m, s, a = (np.concatenate([x, y]) for x, y in ((m, mr), (s, sr), (a, ar)))
+    z_t = np.concatenate([z_t, rng.normal(0, 5, nr).astype(np.float32)])
+    t = np.concatenate([t, rng.integers(0, v, nr).astype(np.int32)])
+    inv_t = np.concatenate([inv_t, oracle.inv_temperature(rng.uniform(0.3, 2, nr).astype(np.float32), nr)])
+    rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
+    rh = oracle.fold_entropy(m, s, a)
+    variants = [{}, dict(staged=False), dict(chunk=4, unroll=8), dict(chunk=128, unroll=n_split)]
+    variants.append(dict(rows=64, chunk=6, unroll=5))
+    ref = None
+    for knobs in variants:
+        logp, lse, ent = (np.asarray(x) for x in sm90_fold.fold(m, s, z_t, t, inv_t, v, a=a, **knobs))
+        assert_bitwise_equal(_nan_canonical(logp), _nan_canonical(rl), f"logp {knobs}")
+        assert_bitwise_equal(_nan_canonical(lse), _nan_canonical(rs), f"lse {knobs}")
+        assert_bitwise_equal(_nan_canonical(ent), _nan_canonical(rh), f"entropy {knobs}")
+        if ref is None:
+            ref = (logp, lse, ent)
+            plain = sm90_fold.fold(m, s, z_t, t, inv_t, v)  # without A: the same logp / lse bytes
+            assert_bitwise_equal(np.asarray(plain[0]), logp, "logp without A")
+            assert_bitwise_equal(np.asarray(plain[1]), lse, "lse without A")
+        for got, want, name in zip((logp, lse, ent), ref, ("logp", "lse", "entropy")):
+            assert_bitwise_equal(got, want, f"{name} {knobs} vs default")
+    for r in (0, 1, 9, 11, n + 7):  # a row alone == the row in the batch
+        out = sm90_fold.fold(
+            m[r : r + 1], s[r : r + 1], z_t[r : r + 1], t[r : r + 1], inv_t[r : r + 1], v, a=a[r : r + 1]
+        )
+        for got, want, name in zip(out, ref, ("logp", "lse", "entropy")):
+            assert_bitwise_equal(np.asarray(got), want[r : r + 1], f"{name} row {r} alone")
