@@ -377,7 +377,9 @@ def suite_other():
     )(h, w)
     mesh = _mesh(2, 2)
 
-    def body(hl, wl, tl):
+    def local_value_and_grad(hl, wl, tl):
+        """This rank's nan-safe sum of logp and its gradients w.r.t. (hidden, weight shard)."""
+
         def loss(hl, wl):
             o = linear_logp_local(
                 hl,
@@ -391,7 +393,10 @@ def suite_other():
             )
             return jnp.sum(jnp.nan_to_num(o.logp)), o.logp
 
-        (_, logp), (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hl, wl)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hl, wl)
+
+    def body(hl, wl, tl):
+        (_, logp), (dh, dw) = local_value_and_grad(hl, wl, tl)
         return logp, dh, jax.lax.psum(dw, "dp")  # data-parallel weight gradient: the caller's psum
 
     f = jax.jit(
@@ -415,20 +420,7 @@ def suite_other():
     # carries and cotangents carry the mesh axes, and the weight gradient comes back
     # summed over the data axis it is replicated on (no psum by the caller).
     def body_vma(hl, wl, tl):
-        def loss(hl, wl):
-            o = linear_logp_local(
-                hl,
-                wl,
-                tl,
-                axis_name="tp",
-                temperature=temp,
-                vocab_size=vocab,
-                padded_vocab_size=vpad,
-                backend="reference",
-            )
-            return jnp.sum(jnp.nan_to_num(o.logp)), o.logp
-
-        (_, logp), (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hl, wl)
+        (_, logp), (dh, dw) = local_value_and_grad(hl, wl, tl)
         inv_t = jnp.full(tl.shape, np.float32(1.0) / np.float32(temp), jnp.float32)
         fwd = tp_partials_and_fold(
             hl, wl, None, tl, inv_t, axis_name="tp", vocab_size=vocab, padded_vocab_size=vpad, backend="reference"

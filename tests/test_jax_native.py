@@ -47,6 +47,9 @@ def test_dv_layout_gives_the_vd_bytes_on_the_reference_backend(dtype):
     for x, y, what in zip(a[:3], c[:3], ("logp", "lse", "logits")):
         assert_bitwise_equal(x, y, what)
     assert c.provenance.weight_layout == "dv" and a.provenance.weight_layout == "vd"
+    # provenance() says what a call would get, without computing: the same record
+    kw.pop("return_logits"), kw.pop("bias"), kw.pop("temperature")
+    assert dl.provenance(h, k, weight_layout="dv", **kw) == c.provenance
 
 
 def test_dv_layout_with_an_unpadded_kernel_declaring_the_padded_vocab():
