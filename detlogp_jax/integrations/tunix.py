@@ -525,7 +525,7 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
         model = nnx.merge(graphdef, state)
         if return_logits and entropy == "none":
             lp = per_token_logps(
-                nnx.merge(graphdef, state),
+                model,
                 prompt_tokens,
                 completion_tokens,
                 pad_id=pad_id,
