@@ -144,6 +144,31 @@ def pairwise(vals, ops):
     return vals[0]
 
 
+def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, ops, tile_cast):
+    """Pass 1 of `chain_tile_sliced`: y = fl(z * inv_t) per slice (masked), the tile max
+    (the max of the slice maxima: exact) and the target capture; then m', alpha = pexp(m - m')
+    (1 where the max does not move) and m' broadcast to a slice. Returns
+    (iota8, inv_b, m', alpha, m'_b, z_hit)."""
+    bm = m.shape[0]
+    neg_inf = jnp.asarray(NEG_INF, F32)
+    iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
+    inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
+    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
+    tm = z_hit = None
+    for j in range(8):
+        z = load_slice(j)
+        col = iota8 + (tcol0 + 8 * j)
+        y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
+        tj = jnp.max(y, axis=1)
+        hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
+        tm = tj if tm is None else jnp.maximum(tm, tj)
+        z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
+    m_new = jnp.maximum(m, tm)
+    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
+    m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
+    return iota8, inv_b, m_new, alpha, m_b, z_hit
+
+
 def chain_tile_sliced(
     m,
     s,
@@ -200,21 +225,7 @@ def chain_tile_sliced(
         )
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
-    iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
-    inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
-    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
-    tm = z_hit = None
-    for j in range(8):
-        z = load_slice(j)
-        col = iota8 + (tcol0 + 8 * j)
-        y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
-        tj = jnp.max(y, axis=1)
-        hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
-        tm = tj if tm is None else jnp.maximum(tm, tj)
-        z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
-    m_new = jnp.maximum(m, tm)
-    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
-    m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
+    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, ops, tile_cast)
 
     def slice_part(j, masked):
         z = load_slice(j)
@@ -262,21 +273,7 @@ def _chain_tile_sliced_entropy(
     same pairwise levels 4-6 for both). Returns (m', S', z_hit, A')."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
-    iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
-    inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
-    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
-    tm = z_hit = None
-    for j in range(8):
-        z = load_slice(j)
-        col = iota8 + (tcol0 + 8 * j)
-        y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
-        tj = jnp.max(y, axis=1)
-        hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
-        tm = tj if tm is None else jnp.maximum(tm, tj)
-        z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
-    m_new = jnp.maximum(m, tm)
-    alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
-    m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
+    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, ops, tile_cast)
 
     def slice_part(j, masked):
         z = load_slice(j)
