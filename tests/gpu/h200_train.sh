@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The training step on the H200 (nvidia-h200; issue 18): gradient tests, then forward + backward
+# timings next to the XLA lane and the GEMM alone, in the same run. Stages (TRAIN_STAGES,
+# comma-separated; default all, in this order), one device call of <= ~8 minutes:
+#   grad      tests/gpu/test_grad_gpu.py + tests/gpu/test_residuals_gpu.py (float64 comparison, both
+#             residual modes, both layouts, run-to-run identical bytes)
+#   bench     benchmarks.run --mode fwd_bwd at M = 4096, 16384: pallas_sm90 (recompute), xla, gemm;
+#             then pallas_sm90 with --residuals logits (peak_MB / temp_MB in the JSON)
+#   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
+#   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
+#             (does XLA fuse the chunk walk's slices into the GEMMs?)
+# Everything lands in $OUT/results.tgz. Run from the repo root on the device.
+set -u
+source "$(dirname "$0")/_stage.sh"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
+STAGES=",${TRAIN_STAGES:-grad,bench,trace,dsf},"
+MS=${TRAIN_MS:-4096,16384}
+RUN="python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd_bwd --warmup 2 --iters 7 --calls_per_sample 2"
+if [[ $STAGES == *,grad,* ]]; then
+  TAILN=10 stage grad_tests 220 python3 -m pytest -q -x -rw tests/gpu/test_grad_gpu.py tests/gpu/test_residuals_gpu.py
+fi
+if [[ $STAGES == *,bench,* ]]; then
+  TAILN=10 stage bench_recompute 150 $RUN --m "$MS" --backends pallas_sm90,xla,gemm --plot none --out "$OUT/fwd_bwd_recompute.json"
+  TAILN=6 stage bench_logits 90 $RUN --m "$MS" --backends pallas_sm90 --residuals logits --plot none --out "$OUT/fwd_bwd_logits.json"
+fi
+if [[ $STAGES == *,trace,* ]]; then
+  TAILN=30 stage trace_fwd_bwd 60 python3 -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 4096 --mode fwd_bwd --backend pallas_sm90 --calls 5 --json "$OUT/trace_fwd_bwd_m4096.json"
+fi
+if [[ $STAGES == *,dsf,* ]]; then
+  TAILN=6 stage bench_dsf 80 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $RUN --m 4096 --backends pallas_sm90 --plot none --out "$OUT/fwd_bwd_dsf.json"
+fi
+finish
