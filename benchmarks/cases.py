@@ -10,7 +10,7 @@ output is the logits either way). Weight layouts: "vd" (W [V_rows, D], the
 lm_head layout) or "dv" (the [D, V_rows] Flax/Tunix kernel, made once by
 `make_weight` outside the timed region and passed with weight_layout="dv", so
 the library backends read it in place; xla_chunked and gemm take "vd" only). Modes: fwd, or fwd_bwd = value_and_grad
-w.r.t. hidden and weight of sum(logp) (for gemm: of 0.5 * sum(z**2), so the
+w.r.t. hidden and weight of sum(logp) (+ 0.01 * sum(entropy) for an entropy case; for gemm: of 0.5 * sum(z**2), so the
 backward is two real GEMMs rather than a broadcast XLA could simplify away).
 Residuals (fwd_bwd, library backends): "recompute" (the default: the backward
 recomputes the logits chunk by chunk) or "logits" (`linear_logp(residuals="logits")`:
@@ -177,6 +177,8 @@ def _loss(spec: CaseSpec, out: dict):
     if spec.backend == "gemm":
         z = out["logits"].astype(jnp.float32)
         return 0.5 * jnp.sum(z * z)
+    if spec.entropy:  # a loss that uses the entropy too (an entropy bonus): its term is in the backward
+        return jnp.sum(out["logp"]) + 0.01 * jnp.sum(out["entropy"])
     return jnp.sum(out["logp"])
 
 

@@ -129,12 +129,22 @@ def forward_hashes(entropy: bool = False):
                     yield f"forward{tag} M={m} {name} logits={logits} bias={bias}", _take()
 
 
-def backward_hashes():
+def backward_hashes(entropy: bool = False):
+    """The dz kernel: the base set builds the [V, D] kernel without the entropy term
+    (bias off/on); the entropy set the entropy term in both layouts and the [D, V]
+    kernel without it (the dv kernel is an addition of the entropy session)."""
     n, d, chunk = 256, 192, 512
-    for bias in (False, True):
-        args = [_sds((n, d), jnp.bfloat16), _sds((chunk, d), jnp.bfloat16)]
+    variants = [(False, "vd", b) for b in (False, True)]
+    if entropy:
+        variants = [(True, "vd", b) for b in (False, True)] + [
+            (e, "dv", b) for e in (False, True) for b in (False, True)
+        ]
+    for ent, layout, bias in variants:
+        w_shape = (chunk, d) if layout == "vd" else (d, chunk)
+        args = [_sds((n, d), jnp.bfloat16), _sds(w_shape, jnp.bfloat16)]
         args += [_sds((chunk,), jnp.float32)] if bias else []
-        args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4 + [_sds((2,), jnp.int32)]
+        args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * (6 if ent else 4) + [_sds((2,), jnp.int32)]
+        extra = ({"has_entropy": True} if ent else {}) | ({"weight_layout": "dv"} if layout == "dv" else {})
         _lower(
             sm90_dz.build,
             args,
@@ -145,8 +155,10 @@ def backward_hashes():
             num_ctas=132,
             interpret=False,
             interpret_params=None,
+            **extra,
         )
-        yield f"backward dz bias={bias}", _take()
+        tag = (" entropy" if ent else "") + (" dv" if layout == "dv" else "")
+        yield f"backward dz{tag} bias={bias}", _take()
 
 
 def fold_hashes(entropy: bool = False):
@@ -172,7 +184,11 @@ def main(argv=None):
     if "base" in which:
         gens += [forward_hashes, backward_hashes, fold_hashes]
     if "entropy" in which:
-        gens += [lambda: forward_hashes(entropy=True), lambda: fold_hashes(entropy=True)]
+        gens += [
+            lambda: forward_hashes(entropy=True),
+            lambda: fold_hashes(entropy=True),
+            lambda: backward_hashes(entropy=True),
+        ]
     for gen in gens:
         for name, digest in gen():
             print(f"{digest}  {name}", flush=True)

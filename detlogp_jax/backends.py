@@ -58,12 +58,16 @@ class DzKernel:
     mode (`linear_logp(..., residuals="logits")`) never calls it either: its backward
     forms dz with XLA from the forward's saved logits, and this kernel, which recomputes
     z from hidden and w_c, has no logits input.
+
+    layouts: the weight layouts it reads. A "dv" call ([D, V] weight, `weight_layout="dv"`)
+    passes the chunk as w_c [D, chunk] (a slice of the [D, V] kernel) and
+    `weight_layout="dv"` as a keyword to fn and to supports; a "vd" call passes no layout keyword.
     """
 
     fn: Callable
     supports: Callable[[Any, Any, int], bool]
     row_multiple: int
-    layouts: frozenset = frozenset({"vd"})  # weight layouts of w_c it takes ("vd": [chunk, D])
+    layouts: frozenset = frozenset({"vd"})  # weight layouts of w_c it takes ("vd": [chunk, D], "dv": [D, chunk])
     entropy: bool = False  # takes the entropy term (c3, h); see above
 
 

@@ -49,34 +49,27 @@ recomputes z: with the forward, four GEMM passes (forward, recompute, dh, dW).
 "logits": the forward also keeps its own FP32 logits (O(N*V) memory; on contract
 backends from the forward's `partials(..., return_logits=True)`, whose logp/lse/entropy
 bytes do not depend on return_logits, and with return_logits=True the returned array
-itself), passed here as `backward(logits=)`: each chunk reads its z from them (a
-dynamic slice, or a gather when only the real vocabulary's columns were kept) and runs
-the same dz formula, the same chunk walk and the same dh / dW GEMMs, so three passes.
-The fused dz kernel is not used in this mode: it recomputes z from hidden and the
-weight and has no logits input, so dz is formed by XLA from the saved logits (on
-pallas_sm90 too; rounded to the model dtype for the GEMMs as always).
+itself), passed here as `backward(logits=)`. Having paid O(N*V) memory, the backward
+forms the whole dz [N, V_rows] (model dtype) in one elementwise pass over them, by the
+same formula, and runs each gradient as one GEMM over the whole vocabulary (dh = dz @ W,
+dW = dz.T @ h, db = sum_rows dz): no chunk walk, so no weight-chunk copies, no dW chunk
+writes and no zero-filled dW; three passes in all. The fused dz kernel is not used in
+this mode (it recomputes z and has no logits input), on pallas_sm90 too.
 
-When are the two modes' gradient bytes identical? Both feed the same formula, so they
-are identical when the saved logits equal the recomputed ones bit for bit on every
-column below vocab_size and XLA compiles the shared part of the two programs alike.
-The first condition is a property of the backend: the recompute is an XLA einsum (f32:
-HIGHEST precision) on every backend today, while the reference forward walks K
-sequentially and pallas_sm90 accumulates in wgmma tiles, so the logits need not agree
-(with f32 inputs on XLA:CPU they differ in their last bits; with bf16 inputs, whose
-products are exact in f32, they were seen to agree there); they agree whenever every
-logit is exact in f32 (e.g. dyadic inputs whose products and sums need no rounding),
-the case tests/test_residuals.py checks. The second is a
-property of the compiler: XLA may round one elementwise formula differently in
-different fusions (it may contract a multiply and an add, or recompute dz inside a
-reduction's fusion), so identity is checked, not guaranteed: on XLA:CPU with exact
-logits the bytes of hidden, weight, bias and temperature gradients are identical in
-both layouts, f32 and bf16, with the entropy and a logits cotangent, for every chunking;
-calling `backward` directly with logits of the real vocabulary only (the gather),
-dh and dW are identical and db and the temperature's row sums agree to rounding
-(tests/test_residuals.py). Otherwise the modes are bounded: relative Frobenius
-difference per tensor <= 1e-5 with f32 inputs and <= 1e-2 with bf16 inputs (dz is
-rounded to bf16 for the GEMMs), the order of either mode's own error against float64.
-Each mode is deterministic run to run.
+Are the two modes' gradient bytes identical? No, not in general: the residual mode sums
+dh over the whole vocabulary in one GEMM and the row statistics in one reduction, where
+the recompute mode adds per-chunk GEMMs and sums in chunk order, so the last bits of dh
+(and of the temperature's row sums) may differ even when the saved logits equal the
+recomputed ones (the recompute is an XLA einsum on every backend, while the reference
+forward walks K sequentially and pallas_sm90 accumulates in wgmma tiles, so the logits
+need not agree either). What is tested (tests/test_residuals.py): with exact-arithmetic
+inputs (every logit exact in f32) the modes agree to <= 1e-6 relative per tensor; run
+through the chunk walk (`backward(saved_logits_chunked=True)`, the same formula on the
+same chunks) the saved logits give the recompute path's bytes exactly (dh and dW; db and
+the row sums to rounding when only the real vocabulary was saved); with random inputs
+the modes differ by <= 1e-5 relative per tensor with f32 inputs and <= 1e-2 with bf16
+inputs (dz is rounded to bf16 for the GEMMs), the order of either mode's own error
+against float64. Each mode is deterministic run to run (fixed shapes, fixed GEMMs).
 """
 
 from __future__ import annotations
@@ -113,6 +106,7 @@ def backward(
     g_entropy=None,
     row_sums: bool = False,
     logits=None,
+    saved_logits_chunked: bool = False,
 ):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
@@ -130,8 +124,12 @@ def backward(
     logits [rows, Vs] (bias included; vocab_size <= Vs <= the weight's rows; columns at
     or beyond vocab_size are never read for a gradient). Each chunk's dz is then formed
     from them by the same formula, so no recompute GEMM runs, and `dz` is not used (it
-    has no logits input). The gradient bytes equal the recompute mode's exactly when
-    these logits equal the recomputed ones bit for bit (see the module docstring).
+    has no logits input). By default the whole dz [rows, V_rows] is formed in one
+    elementwise pass and each gradient is one GEMM (`_whole_from_logits`: O(rows * V)
+    more memory, which this mode has already accepted; no chunk walk). With
+    saved_logits_chunked=True the saved logits go through the recompute mode's chunk
+    walk instead (slower; the gradient bytes then equal the recompute mode's exactly
+    when these logits equal the recomputed ones bit for bit, see the module docstring).
     """
     v_axis = 0 if weight_layout == "vd" else 1
     v_rows = weight.shape[v_axis]
@@ -158,7 +156,7 @@ def backward(
         and not row_sums
         and (g_entropy is None or dz.entropy)
         and weight_layout in dz.layouts
-        and dz.supports(hidden, weight, chunk)
+        and dz.supports(hidden, weight, chunk, **({} if weight_layout == "vd" else {"weight_layout": weight_layout}))
     )
     if fused_ok:
         out = _backward_fused_dz(
@@ -175,6 +173,7 @@ def backward(
             dz=dz,
             entropy=entropy,
             g_entropy=g_entropy,
+            weight_layout=weight_layout,
         )
         return out
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
@@ -207,11 +206,8 @@ def backward(
         # or beyond Vs are padding (>= vocab_size), whose dz is 0 whatever is read there.
         return jnp.take(logits, jnp.minimum(cols, logits.shape[1] - 1), axis=1)
 
-    def dz_of(fresh_from, start, w_c, cols):
-        fresh = cols < vocab_size  # real vocab only
-        if fresh_from is not None:  # the clamped last chunk: each column once
-            fresh = fresh & (cols >= fresh_from)
-        z = z_of(start, w_c, cols)
+    def dz_from(z, cols, fresh, g_extra):
+        """dz (model dtype) and the requested row sums from unscaled logits z [rows, len(cols)]."""
         lp = z * inv_t[:, None] - lse[:, None]
         p = jnp.where(fresh[None, :], jnp.exp(lp), 0.0)
         onehot = (cols[None, :] == targets[:, None]) & fresh[None, :]
@@ -228,15 +224,31 @@ def backward(
         if want_var:
             sums += (jnp.sum(pc * c, axis=1),)
         dz = inv_t[:, None] * g
-        if g_full is not None:
-            dz = dz + lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
+        if g_extra is not None:
+            dz = dz + g_extra
         return jnp.where(fresh[None, :], dz, 0.0).astype(gemm_dtype), sums  # bf16 operands for bf16 models
 
-    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
+    def dz_of(fresh_from, start, w_c, cols):
+        fresh = cols < vocab_size  # real vocab only
+        if fresh_from is not None:  # the clamped last chunk: each column once
+            fresh = fresh & (cols >= fresh_from)
+        g_extra = None if g_full is None else lax.dynamic_slice_in_dim(g_full, start, chunk, axis=1)
+        return dz_from(z_of(start, w_c, cols), cols, fresh, g_extra)
+
     n_sums = int(want_plp) + int(want_var)
+    if logits is not None and not saved_logits_chunked:
+        dh, dw, db, sums = _whole_from_logits(
+            dz_from, logits, g_logits, hidden.astype(gemm_dtype), weight, bias, vocab_size, prec, v_axis
+        )
+        return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
+    operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
     dh, dw, db, sums = _chunk_walk(
         dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, prec, operands, v_axis, n_sums
     )
+    return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
+
+
+def _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var):
     out = (dh.astype(hidden.dtype), dw, db)
     if not row_sums:
         return out
@@ -244,6 +256,29 @@ def backward(
     plp = sums.pop(0) if want_plp else None
     var = sums.pop(0) if want_var else None
     return out + ((plp, var),)
+
+
+def _whole_from_logits(dz_from, logits, g_logits, hidden, weight, bias, vocab_size, prec, v_axis):
+    """The residual mode's backward in one pass: dz [rows, V_rows] from the saved logits
+    (one elementwise pass; columns at or beyond vocab_size, and the weight's rows past
+    the saved columns, get 0), then dh = dz @ W, dW = dz.T @ h and db = sum_rows dz as
+    one GEMM each, with no chunk walk (no weight-chunk copies, no dW chunk writes, no
+    zero-filled dW). Returns (dh f32, dW in the weight dtype, db or None, row sums)."""
+    v_rows = weight.shape[v_axis]
+    vs = logits.shape[1]
+    cols = jnp.arange(vs)
+    g_extra = None
+    if g_logits is not None:  # [rows, vocab_size] -> the saved columns
+        g_extra = jnp.pad(g_logits.astype(jnp.float32), ((0, 0), (0, vs - g_logits.shape[1])))
+    dz, sums = dz_from(logits, cols, cols < vocab_size, g_extra)
+    if vs < v_rows:  # weight rows past the saved columns are padding: dz = 0 there
+        dz = jnp.pad(dz, ((0, 0), (0, v_rows - vs)))
+    wd = "vd" if v_axis == 0 else "dv"
+    out_dtype = jnp.float32 if weight.dtype == jnp.float32 else weight.dtype  # bf16 out, f32 accumulation
+    dh = jnp.einsum(f"nv,{wd}->nd", dz, weight.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec)
+    dw = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec)
+    db = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0).astype(bias.dtype)
+    return dh, dw.astype(weight.dtype), db, sums
 
 
 def inv_t_cotangent(inv_t, lse, logp, targets, vocab_size, g_logp, g_lse, entropy, g_entropy, plp, var):
@@ -303,10 +338,13 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, v_axis=0, n_
             db = lax.dynamic_update_slice_in_dim(db, db_c, start, axis=0)
         return (dh, dw, db, acc), None
 
+    # dW and db start uninitialized (lax.empty: an AllocateBuffer on GPU, zeros elsewhere):
+    # the scan writes rows [0, q * chunk) and the last chunk the rest, each row once, so
+    # no zero fill of a [V, D] buffer runs (0.74 ms at the Qwen3-8B head on the H200).
     init = (
         jnp.zeros(hidden.shape, jnp.float32),
-        jnp.zeros(weight.shape, weight.dtype),
-        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+        lax.empty(weight.shape, weight.dtype),
+        None if bias is None else lax.empty(bias.shape, jnp.float32),
         tuple(jnp.zeros(hidden.shape[:1], jnp.float32) for _ in range(n_sums)),
     )
     init = vma.like(init, *operands)
@@ -336,6 +374,7 @@ def _backward_fused_dz(
     dz,
     entropy=None,
     g_entropy=None,
+    weight_layout="vd",
 ):
     """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
     g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32.
@@ -367,13 +406,15 @@ def _backward_fused_dz(
     ent_kw = {}
     if g_entropy is not None:  # padding rows: c3 = 0, h = 0
         ent_kw = {"c3": padr(-inv_t * g_entropy), "h": padr(entropy)}
+    layout_kw = {} if weight_layout == "vd" else {"weight_layout": weight_layout}
 
     def dz_of(fresh_from, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
         lo = 0 if fresh_from is None else fresh_from - start  # relative: the first new column
-        out = dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, lo, vocab_size - start, **ent_kw)
+        out = dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, lo, vocab_size - start, **ent_kw, **layout_kw)
         return out, ()
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
-    dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands)
+    v_axis = 0 if weight_layout == "vd" else 1
+    dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, v_axis)
     return dh[:n].astype(hidden.dtype), dw, db

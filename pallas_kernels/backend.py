@@ -33,17 +33,21 @@ def backend_entry() -> Backend:
         # The forward kernels read [V, D] and [D, V] weights in place (same bytes: the
         # K walk, instruction shapes and trees do not depend on where wgmma's B comes from).
         layouts=frozenset({"vd", "dv"}),
-        # The dz kernel takes [chunk, D] weight chunks only (DzKernel.layouts = {"vd"}):
-        # the backward of a "dv" call forms dz with XLA per [D, chunk] chunk, read in
-        # place (detlogp_jax.grad), not with this kernel. It does not take the entropy
-        # term (DzKernel.entropy False): with an entropy cotangent grad.backward forms
-        # dz with XLA (correct, slower).
+        # The dz kernel reads [chunk, D] ("vd") and [D, chunk] ("dv") weight chunks and takes
+        # the entropy term (c3, h). It is not part of the contract (the backward is
+        # deterministic, not frozen), so it does not wait for ENTROPY_VALIDATED; the GPU
+        # gradient tests (tests/gpu/test_grad_gpu.py) check it against float64 and the
+        # XLA-formed dz in both layouts, with and without the entropy term.
         dz=DzKernel(
             fn=sm90_dz.dz_chunk,
-            supports=lambda h, w, chunk: (
-                h.dtype == jnp.bfloat16 and wrapper.unsupported(h, w) is None and sm90_dz.chunk_supported(chunk)
+            supports=lambda h, w, chunk, weight_layout="vd": (
+                h.dtype == jnp.bfloat16
+                and wrapper.unsupported(h, w, weight_layout) is None
+                and sm90_dz.chunk_supported(chunk)
             ),
             row_multiple=sm90_dz.ROWS_PER_CTA,
+            layouts=frozenset({"vd", "dv"}),
+            entropy=True,
         ),
         description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
         knobs=frozenset({"bucket", "num_ctas"}),

@@ -4,10 +4,16 @@
 z = hidden @ w_c.T (+ bias) with the forward kernel's TMA + wgmma pipeline (one
 FP32 accumulator per element, K ascending) and, in the same kernel, forms
 
-    p  = exp(z * inv_t - lse)
+    u  = z * inv_t - lse,   p = exp(u)
     dz = c1 * p + c2 * [col == target]      on columns lo <= col < hi, else 0
 
-(c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row), written once as
+(c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row); with the entropy
+term (static `has_entropy`; per-row c3 = -inv_t * g_H and the forward's entropy h)
+
+    dz = p * (c1 + c3 * (u + h)) + c2 * [col == target]
+
+(dH/dy = -p * (y - E_p[y]) = -p * (u + h)), formed as p * ((c1 + c3 * h) + c3 * u)
+with u clamped below at `U_FLOOR` (p unchanged): one max and one FMA more per element. Written once as
 bf16 [N, chunk]; the [N, chunk] FP32 logits never reach device memory. The
 backward is not part of the frozen contract: exp is the GPU's `expf` and
 XLA-style arithmetic is used, but every element is computed by one fixed
@@ -17,11 +23,10 @@ pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
 entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
 geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).
 
-Weight layout: w_c is a [chunk, D] slice of a [V, D] weight only (the registry's
-`DzKernel.layouts` is the default {"vd"}). A call with a [D, V] kernel
-(weight_layout="dv", whose forward the pallas_sm90 kernels read in place) runs
-its backward on `detlogp_jax.grad`'s XLA-formed dz path, which reads each
-[D, chunk] chunk in place; this kernel is not used there.
+Weight layout (static `weight_layout`, as in the forward kernels): "vd", w_c is a
+[chunk, D] slice of a [V, D] weight, TMA copies [block_n, 64] blocks and wgmma reads
+them through `.T`; "dv", w_c is a [D, chunk] slice of a Flax/Tunix [D, V] kernel,
+TMA copies [64, block_n] blocks that wgmma reads as B directly.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common, interpret_utils, tuning
 from pallas_kernels.common import F32, SWIZZLE, TILE, TILE_K
 
+# With the entropy term u = z * inv_t - lse is clamped below at U_FLOOR before exp: p is
+# unchanged (exp underflows to 0 in f32 below about -104), but c3 * u stays finite where
+# u = -inf (a -inf bias entry, a padding row's lse = +inf), so p * q is 0 there, not NaN.
+# A NaN u (a NaN row) stays NaN (max propagates it).
+U_FLOOR = -128.0
 ROWS_PER_CTA = tuning.DZ.rows_per_cta  # callers pad rows to a multiple of this (the registry's row_multiple)
 
 
@@ -50,10 +60,13 @@ def build(
     interpret: bool,
     interpret_params=None,
     cfg: tuning.DzConfig = tuning.DZ,
+    has_entropy: bool = False,
+    weight_layout: str = "vd",
 ):
-    """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, bounds) -> dz [n_pad, chunk] bf16."""
+    """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, [c3, h], bounds) -> dz [n_pad, chunk] bf16."""
     if not isinstance(cfg, tuning.DzConfig):
         raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
+    dv = common.check_weight_layout(weight_layout)
     bm, n_wg, cta_rows, block_n = cfg.block_m, cfg.num_compute_wgs, cfg.rows_per_cta, cfg.block_n
     assert n_pad % cta_rows == 0 and chunk % block_n == 0 and d % TILE_K == 0
     n_rb, n_cb = n_pad // cta_rows, chunk // block_n
@@ -63,16 +76,25 @@ def build(
     row_l = common.row_layout()
     col_l = common.col_layout()
     stages = min(cfg.max_concurrent_steps, k_iters)
+    if dv:  # [K, N] blocks of the [D, chunk] slice, read by wgmma as B directly
+        w_spec = plgpu.BlockSpec((TILE_K, block_n), lambda k: (k, 0), transforms=transforms)
+    else:  # [N, K] blocks of the [chunk, D] slice, read through .T
+        w_spec = plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms)
 
     cast = functools.partial(interpret_utils.cast, interpret=interpret)
     load = functools.partial(interpret_utils.load, interpret=interpret)
 
     def kernel(*refs):
-        if has_bias:
-            h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem, bnd_gmem, dz_out = refs
-        else:
-            h_gmem, w_gmem, tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem, bnd_gmem, dz_out = refs
-            b_gmem = None
+        refs = list(refs)
+        h_gmem, w_gmem = refs[:2]
+        b_gmem = refs.pop(2) if has_bias else None
+        tgt_gmem, invt_gmem, lse_gmem, c1_gmem, c2_gmem = refs[2:7]
+        c3_gmem, hh_gmem = refs[7:9] if has_entropy else (None, None)
+        bnd_gmem, dz_out = refs[-2:]
+
+        def w_block(col0):
+            """The weight slice's columns [col0, col0 + block_n) in its own layout."""
+            return w_gmem.at[:, pl.ds(col0, block_n)] if dv else w_gmem.at[pl.ds(col0, block_n), :]
 
         def get_pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -81,7 +103,7 @@ def build(
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms),
-                    plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms),
+                    w_spec,
                 ],
                 wg_axis="wg",
                 num_compute_wgs=n_wg,
@@ -93,9 +115,7 @@ def build(
 
         @functools.partial(
             pl.run_scoped,
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-                h_gmem.at[pl.ds(0, cta_rows), :], w_gmem.at[pl.ds(0, block_n), :]
-            ),
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(h_gmem.at[pl.ds(0, cta_rows), :], w_block(0)),
             out_smem=plgpu.SMEM((n_wg, 2, bm, TILE), jnp.bfloat16, transforms=out_transforms),
             collective_axes="wg",
         )
@@ -118,6 +138,9 @@ def build(
                     lse = load(lse_gmem.at[rows], row_l)
                     c1 = load(c1_gmem.at[rows], row_l)
                     c2 = load(c2_gmem.at[rows], row_l)
+                    if has_entropy:
+                        c3 = load(c3_gmem.at[rows], row_l)
+                        c1 = c1 + c3 * load(hh_gmem.at[rows], row_l)  # c1 + c3 * h, per row
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, block_n), F32))
                     def _acc_scope(acc_ref):
@@ -132,8 +155,12 @@ def build(
                                 b = load(b_gmem.at[pl.ds(c, TILE)], col_l)
                                 z = z + jnp.broadcast_to(b[None, :], (bm, TILE))
                             col = col_iota + c
-                            p = jnp.exp(z * bc(invt) - bc(lse))
-                            dz = bc(c1) * p + jnp.where(col == bc(tgt), bc(c2), jnp.zeros((bm, TILE), F32))
+                            u = z * bc(invt) - bc(lse)
+                            if has_entropy:  # keep c3 * u finite where p = 0 (see U_FLOOR)
+                                u = jnp.maximum(u, jnp.full((bm, TILE), U_FLOOR, F32))
+                            p = jnp.exp(u)
+                            q = bc(c1) + bc(c3) * u if has_entropy else bc(c1)
+                            dz = q * p + jnp.where(col == bc(tgt), bc(c2), jnp.zeros((bm, TILE), F32))
                             dz = jnp.where((col >= lo) & (col < hi), dz, jnp.zeros((bm, TILE), F32))
                             slot = i % 2
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -143,13 +170,13 @@ def build(
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 def mma_body(idxs, h_smem, w_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem.T)
+                    plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem if dv else w_smem.T)
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(
                     h_gmem.at[pl.ds(row0, cta_rows), :],
-                    w_gmem.at[pl.ds(col0, block_n), :],
+                    w_block(col0),
                     allocations=pipeline_allocs,
                 )
 
@@ -168,7 +195,18 @@ def build(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("n_pad", "d", "chunk", "has_bias", "num_ctas", "interpret", "interpret_params")
+    jax.jit,
+    static_argnames=(
+        "n_pad",
+        "d",
+        "chunk",
+        "has_bias",
+        "num_ctas",
+        "interpret",
+        "interpret_params",
+        "has_entropy",
+        "weight_layout",
+    ),
 )
 def _dz_core(*args, **static):
     return build(**static)(*args)
@@ -191,6 +229,9 @@ def dz_chunk(
     lo,
     hi,
     *,
+    c3=None,
+    h=None,
+    weight_layout: str = "vd",
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
@@ -198,22 +239,30 @@ def dz_chunk(
     """dz [n_pad, chunk] bf16 for one vocab chunk (see the module docstring).
 
     hidden_p: [n_pad, D] bf16 with n_pad a multiple of `ROWS_PER_CTA`;
-    w_c: [chunk, D] bf16; bias_c: [chunk] f32 or None; targets_c: [n_pad] int32
+    w_c: [chunk, D] bf16 ("vd") or [D, chunk] ("dv"); bias_c: [chunk] f32 or None; targets_c: [n_pad] int32
     target column relative to the chunk (anything outside [0, chunk) never
     matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows;
     `detlogp_jax.grad` pads lse with +inf there: p = 0 for any bias < +inf);
     lo, hi: traced int32 column bounds (relative) of the columns that get a
-    gradient.
+    gradient. c3, h: [n_pad] f32, both or neither: the entropy term (c3 = -inv_t * g_H,
+    h the forward's entropy; 0 on padding rows).
     """
+    if (c3 is None) != (h is None):
+        raise ValueError("the entropy term needs both c3 and h")
     n_pad, d = hidden_p.shape
-    chunk = w_c.shape[0]
+    chunk = w_c.shape[1 if common.check_weight_layout(weight_layout) else 0]
     work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
     if num_ctas is None:
         num_ctas = 2 if interpret else tuning.default_num_sms()
     num_ctas = max(1, min(int(num_ctas), work))
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
     args = [hidden_p, w_c] + ([bias_c.astype(F32)] if bias_c is not None else [])
-    args += [targets_c.astype(jnp.int32), inv_t.astype(F32), lse.astype(F32), c1.astype(F32), c2.astype(F32), bounds]
+    args += [targets_c.astype(jnp.int32), inv_t.astype(F32), lse.astype(F32), c1.astype(F32), c2.astype(F32)]
+    args += ([c3.astype(F32), h.astype(F32)] if c3 is not None else []) + [bounds]
+    # Only a non-default static argument is passed, so the default variant's jit key is unchanged.
+    extra = {"has_entropy": True} if c3 is not None else {}
+    if weight_layout != "vd":
+        extra["weight_layout"] = weight_layout
     return _dz_core(
         *args,
         n_pad=n_pad,
@@ -223,4 +272,5 @@ def dz_chunk(
         num_ctas=num_ctas,
         interpret=interpret,
         interpret_params=interpret_params,
+        **extra,
     )

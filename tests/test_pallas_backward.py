@@ -24,7 +24,11 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def test_dz_chunk_matches_float64():
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
+def test_dz_chunk_matches_float64(entropy, layout):
+    """dz = c1 p + c2 onehot (+ c3 p (u + h) with the entropy term), u = z inv_t - lse, on
+    columns [lo, hi), against float64; both weight layouts ([chunk, D] and [D, chunk])."""
     rng = np.random.default_rng(0)
     n, d, chunk = 130, 128, 512
     n_pad = 256
@@ -37,12 +41,17 @@ def test_dz_chunk_matches_float64():
     lse = (np.log(np.exp(z * invt[:, None]).sum(1)) + 0.3).astype(np.float32)
     c1 = rng.standard_normal(n).astype(np.float32)
     c2 = rng.standard_normal(n).astype(np.float32)
+    c3 = rng.standard_normal(n).astype(np.float32)
+    ent = rng.uniform(0, 6, n).astype(np.float32)
     lo, hi = 64, 448
     pad = lambda x, v=0: jnp.asarray(np.pad(x, (0, n_pad - n), constant_values=v))
+    kw = dict(c3=pad(c3), h=pad(ent)) if entropy else {}
+    if layout == "dv":
+        kw["weight_layout"] = "dv"
     with row_invariant_wgmma():
         dz = pk.dz_chunk(
             jnp.pad(h, ((0, n_pad - n), (0, 0))),
-            w,
+            w.T if layout == "dv" else w,
             b,
             pad(t, -1),
             pad(invt, 1),
@@ -52,46 +61,78 @@ def test_dz_chunk_matches_float64():
             lo,
             hi,
             interpret=True,
+            **kw,
         )
     dz = np.asarray(dz, np.float64)
     cols = np.arange(chunk)
-    want = c1[:, None] * np.exp(z * invt[:, None] - lse[:, None]) + c2[:, None] * (cols[None, :] == t[:, None])
+    u = z * invt[:, None] - lse[:, None]
+    p = np.exp(u)
+    want = c1[:, None] * p + c2[:, None] * (cols[None, :] == t[:, None])
+    if entropy:
+        want += c3[:, None] * p * (u + ent[:, None])
     want[:, (cols < lo) | (cols >= hi)] = 0
     assert np.abs(dz[:n] - want).max() <= 1e-2 * np.abs(want).max()
     assert np.all(dz[:n, :lo] == 0) and np.all(dz[:n, hi:] == 0) and np.all(dz[n:] == 0)
 
 
+def test_dz_chunk_refuses_half_an_entropy_term():
+    with pytest.raises(ValueError, match="both c3 and h"):
+        z = jnp.zeros((256,), jnp.float32)
+        pk.dz_chunk(
+            jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((256, 64), jnp.bfloat16), None, z, z, z, z, z, 0, 1, c3=z
+        )
+
+
 @pytest.mark.slow
-def test_backward_with_fused_dz_matches_xla_backward_and_is_deterministic():
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
+def test_backward_with_fused_dz_matches_xla_backward_and_is_deterministic(entropy, layout):
+    """The chunked backward on the interpret-mode dz kernel == the XLA-formed backward within
+    bf16, both layouts (dW comes back in the weight's layout), with and without an entropy
+    cotangent; two runs give identical bytes; padding rows get no gradient."""
     rng = np.random.default_rng(1)
     n, d, v_rows, vocab, chunk = 12, 64, 1280, 1200, 512  # 3 chunks, the last one clamped
     h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((v_rows, d)) * 0.3, jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal(v_rows) * 0.1, jnp.float32)
+    b = np.asarray(rng.standard_normal(v_rows) * 0.1, np.float32)
+    b[[8, 900]] = -np.inf  # banned tokens: p = 0, and the entropy term must not make 0 * inf a NaN
+    b = jnp.asarray(b)
     t = rng.integers(0, vocab, n).astype(np.int32)
     t[2], t[3], t[4] = -100, vocab - 1, 700
     inv_t = jnp.asarray(rng.uniform(0.6, 1.4, n), jnp.float32)
     z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T + np.asarray(b, np.float64)
     y = z * np.asarray(inv_t, np.float64)[:, None]
     y[:, vocab:] = -np.inf
-    lse = jnp.asarray(np.log(np.exp(y - y.max(1, keepdims=True)).sum(1)) + y.max(1), jnp.float32)
+    lse64 = np.log(np.exp(y - y.max(1, keepdims=True)).sum(1)) + y.max(1)
+    p64 = np.exp(y - lse64[:, None])
+    ent = jnp.asarray(-(p64 * np.where(p64 > 0, y - lse64[:, None], 0)).sum(1), jnp.float32)
+    lse = jnp.asarray(lse64, jnp.float32)
     g_logp = jnp.asarray(rng.standard_normal(n), jnp.float32)
     g_lse = jnp.asarray(rng.standard_normal(n), jnp.float32)
-    args = (h, w, b, jnp.asarray(t), inv_t, lse, g_logp, g_lse, None)
-    want = grad.backward(*args, vocab_size=vocab, chunk=chunk)
+    wl = w.T if layout == "dv" else w
+    args = (h, wl, b, jnp.asarray(t), inv_t, lse, g_logp, g_lse, None)
+    kw = dict(vocab_size=vocab, chunk=chunk, weight_layout=layout)
+    if entropy:
+        kw.update(entropy=ent, g_entropy=jnp.asarray(rng.standard_normal(n), jnp.float32))
+    want = grad.backward(*args, **kw)
     calls = []
 
-    def kern(*a):
-        calls.append(a[0].shape)
-        return pk.dz_chunk(*a, interpret=True)
+    def kern(*a, **k):
+        calls.append((a[0].shape, sorted(k)))
+        return pk.dz_chunk(*a, interpret=True, **k)
 
     with row_invariant_wgmma():
-        got = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=_with_fn(kern))
-        again = grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=_with_fn(kern))
+        got = grad.backward(*args, dz=_with_fn(kern), **kw)
+        again = grad.backward(*args, dz=_with_fn(kern), **kw)
     assert calls, "the fused-dz path was not taken"
+    want_kw = (["c3", "h"] if entropy else []) + (["weight_layout"] if layout == "dv" else [])
+    assert calls[0][1] == want_kw
     for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
+        assert g.shape == e.shape, name
+        assert np.isfinite(np.asarray(g, np.float32)).all(), name
         assert _rel(g, e) < 1e-2, (name, _rel(g, e))
-    assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0  # padding rows get nothing
+    dw = np.asarray(got[1], np.float32)
+    assert np.abs(dw.T[vocab:] if layout == "dv" else dw[vocab:]).max() == 0  # padding rows get nothing
     for g, g2 in zip(got, again):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
 

@@ -710,13 +710,14 @@ def test_entropy_fold_lowers_for_cuda(n, n_split, knobs):
 def test_pallas_entry_declares_the_entropy_only_once_validated(monkeypatch):
     """The registry entry keeps entropy=False (ENTROPY_VALIDATED) so return_entropy=True is refused
     on pallas_sm90 (auto falls back); backend_entry() follows the flag; the entry's partials/fold
-    take the entropy arguments the op passes; the dz kernel does not take the entropy term."""
+    take the entropy arguments the op passes; the dz kernel (not contract-bearing) takes the
+    entropy term whatever the flag says."""
     from detlogp_jax import backends
     from pallas_kernels import backend as pallas_backend
 
     assert pallas_backend.ENTROPY_VALIDATED is False
     be = backends.get("pallas_sm90")
-    assert be.entropy is False and be.dz.entropy is False
+    assert be.entropy is False and be.dz.entropy is True
     fake = type(be)(**{**be.__dict__, "available": lambda: True})
     monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
     h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)
@@ -725,7 +726,7 @@ def test_pallas_entry_declares_the_entropy_only_once_validated(monkeypatch):
         backends.resolve("pallas_sm90", h, w, entropy=True)
     monkeypatch.setattr(pallas_backend, "ENTROPY_VALIDATED", True)
     flipped = pallas_backend.backend_entry()
-    assert flipped.entropy is True and flipped.dz.entropy is False
+    assert flipped.entropy is True and flipped.dz.entropy is True
     monkeypatch.setitem(
         backends._LOADED, "pallas_sm90", type(flipped)(**{**flipped.__dict__, "available": lambda: True})
     )
@@ -753,7 +754,7 @@ def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
 
     be = backends.get("pallas_sm90")
     assert be.layouts == frozenset({"vd", "dv"})
-    assert be.dz.layouts == frozenset({"vd"})  # the dv backward forms dz with XLA
+    assert be.dz.layouts == frozenset({"vd", "dv"})  # the dz kernel reads [D, chunk] slices too
     fake = type(be)(**{**be.__dict__, "available": lambda: True})
     monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
     h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)

@@ -3,10 +3,12 @@ logits and the backward forms dz from them (no recompute GEMM).
 
 Checked: both modes vs float64 autodiff (hidden, weight in both layouts, bias; the entropy
 and the temperature); the forward's bytes (logp, lse, entropy, logits) never depend on the
-mode; the gradient bytes of the two modes are identical when the saved logits equal the
+mode; the residual mode's backward (one dz pass, one GEMM per gradient) agrees with the
+recompute mode's chunk walk to rounding (<= 1e-6) when the saved logits equal the
 recomputed ones (exact-arithmetic inputs, where every logit is exact in f32, so the
-reference's K walk and XLA's einsum agree) and otherwise differ by no more than the
-documented gradient accuracy; two runs give identical bytes in both modes; the residual
+reference's K walk and XLA's einsum agree), run through the chunk walk it gives the same
+bytes, and otherwise the modes differ by no more than the documented gradient accuracy;
+two runs give identical bytes in both modes; the residual
 is the returned logits array itself (no second [N, V] buffer); the fused dz kernel is
 not used; an unknown mode is refused. Tensor parallel: `tests/residuals_tp_cases.py`
 on 8 host devices, in a subprocess.
@@ -150,10 +152,14 @@ def test_both_modes_match_float64_and_repeat_bitwise(layout, dtype):
 @cpu_only
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_gradient_bytes_identical_when_the_logits_agree(layout, dtype):
+def test_gradient_modes_agree_to_rounding_when_the_logits_agree(layout, dtype):
     """Exact-arithmetic inputs: the reference's K walk (the saved logits) and the backward's
-    XLA einsum (the recomputed ones) give the same bits, so the two modes give identical
-    gradient bytes, with the entropy, the per-row temperature and a logits cotangent too."""
+    XLA einsum (the recomputed ones) give the same bits, so the two modes differ only where
+    the residual mode sums differently (one GEMM over the whole vocabulary vs the chunk
+    walk's chunk GEMMs, one row reduction vs per-chunk sums): relative Frobenius <= 1e-6 per
+    tensor, with the entropy, the per-row temperature and a logits cotangent too. (Through
+    the chunk walk, grad.backward(saved_logits_chunked=True), the bytes are identical: the
+    next-but-one test.)"""
     h, w, b, t, temp = _problem(dtype=dtype, exact=True, layout=layout)
     coefs = _coefs(h.shape[0])
     for extra in ({}, {"entropy": True, "logits": True}):
@@ -164,7 +170,8 @@ def test_gradient_bytes_identical_when_the_logits_agree(layout, dtype):
             for mode in MODES
         }
         for x, y, name in zip(got["recompute"], got["logits"], ("hidden", "weight", "bias", "temperature")):
-            assert_bitwise_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), f"{name} {extra}")
+            assert np.isfinite(np.asarray(y, np.float32)).all(), (name, extra)
+            assert _rel(y, x) <= 1e-6, (name, extra, _rel(y, x))
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
@@ -222,7 +229,14 @@ def test_backward_from_saved_logits_is_the_recompute_formula(layout, chunk):
             base = jax.tree.leaves(grad.backward(*args, gl, vocab_size=VOCAB, chunk=chunk, weight_layout=layout, **kw))
             for cols in (V_ROWS, VOCAB):
                 got = grad.backward(
-                    *args, gl, vocab_size=VOCAB, chunk=chunk, weight_layout=layout, logits=z[:, :cols], **kw
+                    *args,
+                    gl,
+                    vocab_size=VOCAB,
+                    chunk=chunk,
+                    weight_layout=layout,
+                    logits=z[:, :cols],
+                    saved_logits_chunked=True,
+                    **kw,
                 )
                 for i, (x, y) in enumerate(zip(base, jax.tree.leaves(got))):
                     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)

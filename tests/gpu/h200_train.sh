@@ -5,7 +5,9 @@
 #   grad      tests/gpu/test_grad_gpu.py + tests/gpu/test_residuals_gpu.py (float64 comparison, both
 #             residual modes, both layouts, run-to-run identical bytes)
 #   bench     benchmarks.run --mode fwd_bwd at M = 4096, 16384: pallas_sm90 (recompute), xla, gemm;
-#             then pallas_sm90 with --residuals logits (peak_MB / temp_MB in the JSON)
+#             then pallas_sm90 with --residuals logits (peak_MB / temp_MB in the JSON), and the
+#             [D, V] kernel (--weight_layout dv, recompute) at M = 4096
+#   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 64, 512, 4096, 16384
 #   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
 #   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 #             (does XLA fuse the chunk walk's slices into the GEMMs?)
@@ -13,7 +15,7 @@
 set -u
 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
-STAGES=",${TRAIN_STAGES:-grad,bench,trace,dsf},"
+STAGES=",${TRAIN_STAGES:-grad,bench,fwd,trace},"
 MS=${TRAIN_MS:-4096,16384}
 RUN="python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd_bwd --warmup 2 --iters 7 --calls_per_sample 2"
 if [[ $STAGES == *,grad,* ]]; then
@@ -22,6 +24,10 @@ fi
 if [[ $STAGES == *,bench,* ]]; then
   TAILN=10 stage bench_recompute 150 $RUN --m "$MS" --backends pallas_sm90,xla,gemm --plot none --out "$OUT/fwd_bwd_recompute.json"
   TAILN=6 stage bench_logits 90 $RUN --m "$MS" --backends pallas_sm90 --residuals logits --plot none --out "$OUT/fwd_bwd_logits.json"
+  TAILN=6 stage bench_dv 90 $RUN --m 4096 --backends pallas_sm90 --weight_layout dv --plot none --out "$OUT/fwd_bwd_dv.json"
+fi
+if [[ $STAGES == *,fwd,* ]]; then
+  TAILN=14 stage bench_fwd 120 python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd --backends pallas_sm90,xla,gemm --m 1,64,512,4096,16384 --warmup 3 --iters 10 --calls_per_sample 10 --max_seconds_per_case 8 --plot none --out "$OUT/fwd.json"
 fi
 if [[ $STAGES == *,trace,* ]]; then
   TAILN=30 stage trace_fwd_bwd 60 python3 -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 4096 --mode fwd_bwd --backend pallas_sm90 --calls 5 --json "$OUT/trace_fwd_bwd_m4096.json"
