@@ -6,4 +6,5 @@ REAL_OUT=${OUT:-/tmp/out}; export OUT=/tmp/res; mkdir -p "$OUT" "$REAL_OUT"
 stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-8}" "$OUT/$name.log"; }
-finish() { ls -la "$OUT"; tar czf "$REAL_OUT/results.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+# RESULTS_NAME (default results): the archive's name, so two scripts in one call keep both.
+finish() { ls -la "$OUT"; tar czf "$REAL_OUT/${RESULTS_NAME:-results}.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }

@@ -7,6 +7,7 @@
 #   ENTROPY_STAGES=pytest_small bash tests/gpu/h200_entropy.sh        # M=1, M=65, the fold
 #   ENTROPY_STAGES=pytest_4096 bash tests/gpu/h200_entropy.sh         # M=4096
 #   ENTROPY_STAGES=ladder bash tests/gpu/h200_entropy.sh              # ladder stage F
+#     (ENTROPY_LADDER_BUDGET_S, default 500: the ladder's wall budget; the stage gets 20 s more)
 #   ENTROPY_STAGES=bench,golden bash tests/gpu/h200_entropy.sh        # timings, golden records
 # 1. pytest_small / pytest_4096: tests/gpu/test_pallas_gpu.py -k entropy at the Qwen3-8B shape
 #    (D=4096, V_rows=152064, vocab 151936, bf16), every bucket forced, bias on/off, per-row T: the
@@ -18,7 +19,9 @@
 #    $OUT/pallas_ladder.json.
 # 3. bench: trainer forward with vs without the entropy in the same run (benchmarks.run --entropy,
 #    through tests/gpu/with_entropy.py, which sets ENTROPY_VALIDATED in that process only), M = 1,
-#    64, 4096, 16384: the bars are <= 1.02x at M=4096/16384 and at decode (M=1, 64): $OUT/bench_entropy.json.
+#    64, 4096, 16384: the bars are <= 1.02x at M=4096/16384 and at decode (M=1, 64): $OUT/bench_entropy.json;
+#    then fwd+bwd at M=4096 of sum(logp) + 0.01 * sum(entropy) vs sum(logp) (bar <= 1.03x; the entropy
+#    cotangent runs in the fused dz kernel): $OUT/bench_entropy_fwd_bwd.json.
 # 4. golden: records the GPU golden entropy records (key .../linear-logp-entropy-v1/jax<v>/pallas_sm90,
 #    field entropy_sha256; the contract records of the key are re-recorded with the same bytes) into
 #    $OUT/fingerprints.json, then replays against that file (must pass); merge it into
@@ -36,12 +39,16 @@ if [[ $STAGES == *,pytest_4096,* ]]; then
   TAILN=14 stage pytest_entropy_4096 520 $PYTEST -k "entropy_at_the_qwen_shape and M4096"
 fi
 if [[ $STAGES == *,ladder,* ]]; then
-  TAILN=14 stage ladder_entropy 520 env LADDER_BUDGET_S=500 LADDER_STAGE_TIMEOUT_S=400 LADDER_DUMP=0 LADDER_STAGES=F python3 tests/gpu/run_ladder.py
+  LB=${ENTROPY_LADDER_BUDGET_S:-500}
+  TAILN=14 stage ladder_entropy $((LB + 20)) env LADDER_BUDGET_S=$LB LADDER_STAGE_TIMEOUT_S=$((LB - 20)) LADDER_DUMP=0 LADDER_STAGES=F python3 tests/gpu/run_ladder.py
 fi
 if [[ $STAGES == *,bench,* ]]; then
   BENCH="python3 tests/gpu/with_entropy.py -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd"
   BENCH="$BENCH --backends pallas_sm90 --entropy --ms 1,64,4096,16384 --warmup 3 --iters 15 --calls_per_sample 10"
   TAILN=16 stage bench_entropy 300 $BENCH --max_seconds_per_case 10 --plot none --out "$OUT/bench_entropy.json"
+  BENCH="python3 tests/gpu/with_entropy.py -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd_bwd"
+  BENCH="$BENCH --backends pallas_sm90 --entropy --ms 4096 --warmup 2 --iters 7 --calls_per_sample 2"
+  TAILN=8 stage bench_entropy_fwd_bwd 120 $BENCH --plot none --out "$OUT/bench_entropy_fwd_bwd.json"
 fi
 if [[ $STAGES == *,golden,* ]]; then
   GOLDEN="python3 tests/gpu/with_entropy.py -m detlogp_jax.golden --backend pallas_sm90"
