@@ -14,9 +14,8 @@ bit-neutral launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch
 
 Supported: bf16 hidden and weight, D a positive multiple of 64, a CUDA GPU of
 compute capability 9.x (or interpret mode on any host). The registry entry
-(`backend.py`) declares the entropy only once `backend.ENTROPY_VALIDATED` is set
-(after the H200 validation, tests/gpu/h200_entropy.sh); the kernels compute it
-when asked directly. The weight is read in
+(`backend.py`) declares the entropy while `backend.ENTROPY_VALIDATED` is set
+(it is: the H200 validation, tests/gpu/h200_entropy.sh, passed on 2026-12-01). The weight is read in
 place in either layout: [V, D] (weight_layout="vd", lm_head) or [D, V] ("dv", a
 Flax/Tunix kernel; V a multiple of 64), same kernels, same bytes.
 

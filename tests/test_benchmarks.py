@@ -332,7 +332,7 @@ def test_residuals_option_for_fwd_bwd():
 def test_entropy_cases_in_the_same_run(monkeypatch):
     """--entropy: each library backend's case is followed by its '<backend>+entropy' case (same M,
     same inputs) with the time ratio and a logp/lse bytes check, and returns the entropy; a
-    backend that does not declare the entropy (pallas_sm90 before ENTROPY_VALIDATED) is skipped
+    backend that does not declare the entropy (e.g. pallas_sm90 with ENTROPY_VALIDATED unset) is skipped
     with the way to run it; baselines get no entropy case."""
     from detlogp_jax import backends
 
@@ -356,8 +356,9 @@ def test_entropy_cases_in_the_same_run(monkeypatch):
     out = jax.jit(cases.build(cfg.spec("reference", entropy=True)))(h, w, t)
     assert out["entropy"].shape == (1,) and np.asarray(out["entropy"])[0] > 0
     be = backends.get("pallas_sm90")
-    fake = type(be)(**{**be.__dict__, "available": lambda: True})
-    monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
+    assert be.entropy  # validated on the H200: the runner times its entropy case directly
+    unset = type(be)(**{**be.__dict__, "available": lambda: True, "entropy": False})  # ENTROPY_VALIDATED unset
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", unset)
     why = cases.unsupported_reason("pallas_sm90", jnp.zeros((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16), "vd", True)
     assert "with_entropy" in why
     with pytest.raises(ValueError, match="library backend"):

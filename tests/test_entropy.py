@@ -372,10 +372,12 @@ def test_a_backend_without_the_entropy_refuses_and_auto_falls_back(monkeypatch, 
         assert dl.linear_logp(h, w, t).provenance.backend == "noent"
 
 
-def test_the_hopper_backend_declares_no_entropy_yet():
+def test_every_builtin_backend_declares_the_entropy():
+    """pallas_sm90 since its H200 validation (pallas_kernels.backend.ENTROPY_VALIDATED), its
+    backward's dz kernel with the entropy term; reference and xla always."""
     be = backends.get("pallas_sm90")
-    assert be.entropy is False
-    if be.dz is not None:  # the backward's dz kernel (not contract-bearing) takes the entropy term
+    assert be.entropy is True
+    if be.dz is not None:
         assert be.dz.entropy is True
     assert backends.get("reference").entropy and backends.get("xla").entropy
 

@@ -707,30 +707,28 @@ def test_entropy_fold_lowers_for_cuda(n, n_split, knobs):
     jax.jit(f).trace(a, a, a, v, t, v).lower(lowering_platforms=("cuda",))
 
 
-def test_pallas_entry_declares_the_entropy_only_once_validated(monkeypatch):
-    """The registry entry keeps entropy=False (ENTROPY_VALIDATED) so return_entropy=True is refused
-    on pallas_sm90 (auto falls back); backend_entry() follows the flag; the entry's partials/fold
-    take the entropy arguments the op passes; the dz kernel (not contract-bearing) takes the
-    entropy term whatever the flag says."""
+def test_pallas_entry_declares_the_entropy_as_validated(monkeypatch):
+    """The registry entry declares the entropy (ENTROPY_VALIDATED, set after the H200
+    validation) and resolve serves return_entropy=True on pallas_sm90; backend_entry()
+    follows the flag: with it unset the entry refuses the entropy (explicit request ->
+    BackendUnavailableError); the dz kernel (not contract-bearing) takes the entropy
+    term whatever the flag says."""
     from detlogp_jax import backends
     from pallas_kernels import backend as pallas_backend
 
-    assert pallas_backend.ENTROPY_VALIDATED is False
+    assert pallas_backend.ENTROPY_VALIDATED is True
     be = backends.get("pallas_sm90")
-    assert be.entropy is False and be.dz.entropy is True
-    fake = type(be)(**{**be.__dict__, "available": lambda: True})
-    monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
+    assert be.entropy is True and be.dz.entropy is True
     h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", type(be)(**{**be.__dict__, "available": lambda: True}))
+    assert backends.resolve("pallas_sm90", h, w, entropy=True)[0].entropy
+    monkeypatch.setattr(pallas_backend, "ENTROPY_VALIDATED", False)
+    unset = pallas_backend.backend_entry()
+    assert unset.entropy is False and unset.dz.entropy is True
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", type(unset)(**{**unset.__dict__, "available": lambda: True}))
     with pytest.raises(backends.BackendUnavailableError, match="entropy"):
         backends.resolve("pallas_sm90", h, w, entropy=True)
-    monkeypatch.setattr(pallas_backend, "ENTROPY_VALIDATED", True)
-    flipped = pallas_backend.backend_entry()
-    assert flipped.entropy is True and flipped.dz.entropy is True
-    monkeypatch.setitem(
-        backends._LOADED, "pallas_sm90", type(flipped)(**{**flipped.__dict__, "available": lambda: True})
-    )
-    assert backends.resolve("pallas_sm90", h, w, entropy=True)[0].entropy
 
 
 @pytest.mark.slow

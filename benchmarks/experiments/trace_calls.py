@@ -34,6 +34,12 @@ flags.DEFINE_integer("m", 1, "Rows per call.")
 flags.DEFINE_string("backend", "pallas_sm90", f"One of {cases.ALL_BACKENDS}.")
 flags.DEFINE_enum("entry", "trainer", list(cases.ENTRIES), "trainer or serving.")
 flags.DEFINE_enum("mode", "fwd", list(cases.MODES), "fwd or fwd_bwd.")
+flags.DEFINE_bool(
+    "entropy",
+    False,
+    "Trace the case with return_entropy=True (pallas_sm90 before its flip: tests/gpu/with_entropy.py).",
+)
+flags.DEFINE_enum("residuals", "recompute", list(cases.RESIDUALS), "--mode fwd_bwd: linear_logp(residuals=...).")
 flags.DEFINE_integer("calls", 20, "Traced back-to-back calls (after 3 warmup calls).")
 flags.DEFINE_integer("top", 25, "Rows of the table.")
 flags.DEFINE_string("trace_dir", None, "Keep the raw trace here (default: a temporary directory).")
@@ -43,7 +49,14 @@ flags.DEFINE_string("json", None, "Write the summary as JSON to this path.")
 def main(argv):
     del argv
     shape = shapes.get(FLAGS.shape)
-    spec = cases.CaseSpec(backend=FLAGS.backend, shape=shape, entry=FLAGS.entry, mode=FLAGS.mode)
+    spec = cases.CaseSpec(
+        backend=FLAGS.backend,
+        shape=shape,
+        entry=FLAGS.entry,
+        mode=FLAGS.mode,
+        entropy=FLAGS.entropy,
+        residuals=FLAGS.residuals,
+    )
     why = cases.unavailable_reason(FLAGS.backend)
     if why:
         raise SystemExit(f"{FLAGS.backend}: {why}")

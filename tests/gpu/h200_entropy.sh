@@ -26,6 +26,9 @@
 #    field entropy_sha256; the contract records of the key are re-recorded with the same bytes) into
 #    $OUT/fingerprints.json, then replays against that file (must pass); merge it into
 #    detlogp_jax/apps/data/fingerprints.json when flipping ENTROPY_VALIDATED.
+# 5. packaged (not in the default set): after the flip, the packaged golden records replay with the
+#    shipped entry; the fold-with-A pytest. 6. trace (not in the default set): the M=1 call traced
+#    with and without the entropy (benchmarks.experiments.trace_calls --entropy).
 # Everything lands in $OUT/results.tgz (logs, JSON). Run from the repo root on the device.
 set -u
 source "$(dirname "$0")/_stage.sh"
@@ -54,5 +57,17 @@ if [[ $STAGES == *,golden,* ]]; then
   GOLDEN="python3 tests/gpu/with_entropy.py -m detlogp_jax.golden --backend pallas_sm90"
   TAILN=12 stage golden_record 200 $GOLDEN --record --out "$OUT/fingerprints.json"
   TAILN=12 stage golden_replay 120 $GOLDEN --fingerprints "$OUT/fingerprints.json"
+fi
+# After the flip (ENTROPY_VALIDATED = True, records merged): the packaged records replay in a
+# fresh process with the shipped entry (no with_entropy.py), and the fold with A on the GPU.
+if [[ $STAGES == *,packaged,* ]]; then
+  TAILN=12 stage golden_packaged 150 python3 -m detlogp_jax.golden --backend pallas_sm90
+  TAILN=6 stage pytest_fold_entropy 150 $PYTEST -k fold_entropy
+fi
+# Where the decode call's time goes with and without the statistic (per-kernel device time).
+if [[ $STAGES == *,trace,* ]]; then
+  for e in noentropy entropy; do
+    TAILN=14 stage "trace_m1_$e" 60 python3 -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 1 --backend pallas_sm90 --calls 20 --$e --json "$OUT/trace_m1_$e.json"
+  done
 fi
 finish

@@ -268,7 +268,7 @@ def test_dv_layout_gives_the_vd_bytes_at_the_qwen_shape(m):
 
 # --- the entropy statistic (linear-logp-entropy-v1) in the kernels ------------------------------
 # Called through pk.partials(..., return_entropy=True) / pk.fold(..., a=A) directly, not through the
-# registry (pallas_kernels.backend.ENTROPY_VALIDATED is False until these pass on the H200).
+# registry (these are what pallas_kernels.backend.ENTROPY_VALIDATED waited for on the H200).
 
 
 def _same_or_zero_signs(a, b, what):

@@ -3,7 +3,8 @@
     python3 tests/gpu/with_entropy.py -m detlogp_jax.golden --backend pallas_sm90 --record --out F
     python3 tests/gpu/with_entropy.py -m benchmarks.run --entropy ...
 
-For validation before `pallas_kernels.backend.ENTROPY_VALIDATED` is flipped: the
+For validation while `pallas_kernels.backend.ENTROPY_VALIDATED` is False (a kernel
+change that touches the statistic sets it False until this validation passes): the
 attribute is set to True in this process before the registry first loads the
 pallas_sm90 entry, so `linear_logp(return_entropy=True, backend="pallas_sm90")` is
 served by the kernels (`partials(..., return_entropy=True)`, `fold(..., a=A)`) exactly
