@@ -43,6 +43,10 @@ class CaseResult:
     # backend's case without the entropy at the same M, and whether its logp/lse bytes are that case's.
     entropy_time_ratio: float | None = None
     entropy_same_logp_lse: bool | None = None
+    # The same ratio from interleaved samples of the two compiled cases (timing.paired_ratios:
+    # with, without, alternating which goes first): median and [min, max] over the pairs.
+    entropy_paired_ratio: float | None = None
+    entropy_paired_min_max: list[float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -94,9 +98,13 @@ def format_entropy_summary(cases: Sequence[CaseResult]) -> str:
         if c.entropy_time_ratio is None:
             continue
         same = {True: "logp/lse bytes unchanged", False: "logp/lse BYTES CHANGED", None: "logp/lse not compared"}
+        paired = ""
+        if c.entropy_paired_ratio is not None:
+            lo, hi = c.entropy_paired_min_max
+            paired = f"; interleaved pairs {c.entropy_paired_ratio:.4f}x [{lo:.4f}, {hi:.4f}]"
         lines.append(
             f"entropy {c.backend[: -len('+entropy')]} M={c.m}: {c.entropy_time_ratio:.4f}x "
-            f"({c.median_ms:.4f} ms with, {c.median_ms / c.entropy_time_ratio:.4f} ms without); "
+            f"({c.median_ms:.4f} ms with, {c.median_ms / c.entropy_time_ratio:.4f} ms without){paired}; "
             f"{same[c.entropy_same_logp_lse]}"
         )
     return "\n".join(lines)

@@ -284,10 +284,18 @@ class _ProbeCache:
 
 
 def run_case(
-    cfg: RunConfig, backend: str, m: int, weight, inputs, probes: _ProbeCache, entropy: bool = False
+    cfg: RunConfig,
+    backend: str,
+    m: int,
+    weight,
+    inputs,
+    probes: _ProbeCache,
+    entropy: bool = False,
+    keep: dict | None = None,
 ) -> tuple[CaseResult, dict]:
     """Compiles, times and probes one (backend, M) (with `entropy`: the "<backend>+entropy"
-    case, return_entropy=True). Returns (result, small per-row outputs)."""
+    case, return_entropy=True). Returns (result, small per-row outputs); `keep`, if given,
+    receives the compiled case under its label (for the interleaved entropy pairs)."""
     spec = cfg.spec(backend, entropy)
     label = spec.label
     fn = cases.build(spec)
@@ -300,6 +308,8 @@ def run_case(
     compiled, compile_s = timing.compile_case(fn, arg_sets[0])
     if m == 1:
         probes.put(label, compiled)
+    if keep is not None:
+        keep[label] = compiled
     tm, first = timing.time_case(
         compiled,
         arg_sets,
@@ -416,6 +426,7 @@ def run(cfg: RunConfig) -> dict:
     n, i = len(cfg.ms) * len(plan), 0
     for m in cfg.ms:
         inputs = make_inputs(cfg, m)
+        kept = {}  # compiled cases of this M: an entropy case is timed again interleaved with its base
         for backend, entropy in plan:
             i += 1
             label = cfg.spec(backend, entropy).label
@@ -424,7 +435,20 @@ def run(cfg: RunConfig) -> dict:
                 r, case_rows = CaseResult(label, m, "skipped", note=why), {}
             else:
                 try:
-                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes, entropy)
+                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes, entropy, keep=kept)
+                    base = kept.get(backend) if entropy else None
+                    if r.status == "ok" and base is not None:
+                        ratios = timing.paired_ratios(
+                            base,
+                            kept[label],
+                            [(h, weight, t) for h, t in inputs],
+                            pairs=cfg.iters,
+                            calls_per_sample=cfg.calls_per_sample,
+                        )
+                        r.entropy_paired_ratio = float(np.median(ratios))
+                        r.entropy_paired_min_max = [float(min(ratios)), float(max(ratios))]
+                    if entropy:
+                        kept.clear()  # the pair is done: free both executables
                 except Exception as e:  # OOM, lowering errors, ...: record and go on
                     msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                     r, case_rows = CaseResult(label, m, "error", note=msg), {}

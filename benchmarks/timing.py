@@ -82,6 +82,18 @@ def time_case(
     return Timing(times, warm, truncated), first
 
 
+def paired_ratios(compiled_a, compiled_b, arg_sets: Sequence[tuple], *, pairs: int, calls_per_sample: int = 1):
+    """Time b against a in interleaved samples: pair i times one sample of each, a first
+    on even i and b first on odd i (order and clock drift cancel), and records t_b / t_a.
+    Returns the per-pair ratios (both functions are already compiled and warm)."""
+    ratios = []
+    for i in range(max(1, pairs)):
+        order = (compiled_a, compiled_b) if i % 2 == 0 else (compiled_b, compiled_a)
+        t = {id(f): _timed_sample(f, arg_sets, i, calls_per_sample) for f in order}
+        ratios.append(t[id(compiled_b)] / t[id(compiled_a)])
+    return ratios
+
+
 def compiled_memory(compiled) -> dict[str, int | None]:
     """XLA's memory analysis of the executable (works on CPU and GPU)."""
     keys = (

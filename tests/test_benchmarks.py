@@ -350,7 +350,11 @@ def test_entropy_cases_in_the_same_run(monkeypatch):
     assert c["status"] == "ok" and c["entropy_same_logp_lse"] is True
     assert c["entropy_time_ratio"] == pytest.approx(c["median_ms"] / got[("reference", 1)]["median_ms"])
     assert got[("reference", 1)]["entropy_time_ratio"] is None
-    assert "entropy reference M=1:" in run.report.format_entropy_summary([run.CaseResult(**x) for x in doc["cases"]])
+    lo, hi = c["entropy_paired_min_max"]  # the interleaved pairs of the two compiled cases
+    assert 0 < lo <= c["entropy_paired_ratio"] <= hi
+    assert got[("reference", 1)]["entropy_paired_ratio"] is None
+    summary = run.report.format_entropy_summary([run.CaseResult(**x) for x in doc["cases"]])
+    assert "entropy reference M=1:" in summary and "interleaved pairs" in summary
     h, t = run.make_inputs(cfg, 1)[0]
     w = run.make_weight(cfg)
     out = jax.jit(cases.build(cfg.spec("reference", entropy=True)))(h, w, t)
