@@ -220,14 +220,15 @@ def test_installed_wheel_replays_from_another_directory(tmp_path):
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DETLOGP_BACKEND", "DETLOGP_STRICT")}
     env["JAX_PLATFORMS"] = "cpu"
-    where = subprocess.run(
+    found = subprocess.run(
         [py, "-c", "import detlogp_jax.apps.golden as g; print(g.__file__); print(g.PACKAGED)"],
         cwd=elsewhere,
         env=env,
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout.split()
+    )
+    assert found.returncode == 0, found.stdout + found.stderr[-3000:]
+    where = found.stdout.split()
     assert all(p.startswith(site) for p in where), where
     r = subprocess.run(
         [py, "-m", "detlogp_jax.golden"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300

@@ -95,8 +95,13 @@ def test_entropy_rows_exact(report):
 
 
 def test_entropy_off_where_the_backend_has_none(monkeypatch):
+    from detlogp_jax import backends
+
     monkeypatch.setattr(parity, "hopper_available", lambda: True)
-    assert resolve_config(ValidateConfig(out_dir=None)).entropy is False  # pallas_sm90: not yet
+    assert resolve_config(ValidateConfig(out_dir=None)).entropy is True  # pallas_sm90 declares it
+    be = backends.get("pallas_sm90")
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", type(be)(**{**be.__dict__, "entropy": False}))
+    assert resolve_config(ValidateConfig(out_dir=None)).entropy is False  # a backend without it
     assert resolve_config(ValidateConfig(backend="reference", out_dir=None)).entropy is True
     assert resolve_config(ValidateConfig(backend="reference", entropy=False, out_dir=None)).entropy is False
 
