@@ -211,15 +211,18 @@ def test_installed_wheel_replays_from_another_directory(tmp_path):
     ).stdout.strip()
     with open(os.path.join(site, "_parent_site.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DETLOGP_BACKEND", "DETLOGP_STRICT")}
+    env["JAX_PLATFORMS"] = "cpu"
+    # Without PYTHONPATH here too: with the checkout on it (scripts/test.sh puts it there), pip
+    # would take a stray detlogp_jax.egg-info in the checkout for an installed copy and skip.
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", whl],
         check=True,
         capture_output=True,
         timeout=300,
+        env=env,
     )
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DETLOGP_BACKEND", "DETLOGP_STRICT")}
-    env["JAX_PLATFORMS"] = "cpu"
     found = subprocess.run(
         [py, "-c", "import detlogp_jax.apps.golden as g; print(g.__file__); print(g.PACKAGED)"],
         cwd=elsewhere,
