@@ -59,9 +59,9 @@ class DzKernel:
     forms dz with XLA from the forward's saved logits, and this kernel, which recomputes
     z from hidden and w_c, has no logits input.
 
-    layouts: the weight layouts it reads. A "dv" call ([D, V] weight, `weight_layout="dv"`)
-    passes the chunk as w_c [D, chunk] (a slice of the [D, V] kernel) and
-    `weight_layout="dv"` as a keyword to fn and to supports; a "vd" call passes no layout keyword.
+    layouts: the weight layouts it reads. grad.backward passes the call's layout to
+    supports(hidden, weight, chunk, weight_layout) and to fn(..., weight_layout=...); with
+    "dv" ([D, V] weight) w_c is a [D, chunk] slice of the kernel, with "vd" a [chunk, D] one.
     """
 
     fn: Callable

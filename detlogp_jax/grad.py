@@ -156,7 +156,7 @@ def backward(
         and not row_sums
         and (g_entropy is None or dz.entropy)
         and weight_layout in dz.layouts
-        and dz.supports(hidden, weight, chunk, **({} if weight_layout == "vd" else {"weight_layout": weight_layout}))
+        and dz.supports(hidden, weight, chunk, weight_layout)
     )
     if fused_ok:
         out = _backward_fused_dz(
@@ -238,7 +238,7 @@ def backward(
     n_sums = int(want_plp) + int(want_var)
     if logits is not None and not saved_logits_chunked:
         dh, dw, db, sums = _whole_from_logits(
-            dz_from, logits, g_logits, hidden.astype(gemm_dtype), weight, bias, vocab_size, prec, v_axis
+            dz_from, logits, g_full, hidden.astype(gemm_dtype), weight, bias, vocab_size, prec, v_axis
         )
         return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
     operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
@@ -258,7 +258,7 @@ def _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var):
     return out + ((plp, var),)
 
 
-def _whole_from_logits(dz_from, logits, g_logits, hidden, weight, bias, vocab_size, prec, v_axis):
+def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size, prec, v_axis):
     """The residual mode's backward in one pass: dz [rows, V_rows] from the saved logits
     (one elementwise pass; columns at or beyond vocab_size, and the weight's rows past
     the saved columns, get 0), then dh = dz @ W, dW = dz.T @ h and db = sum_rows dz as
@@ -267,18 +267,23 @@ def _whole_from_logits(dz_from, logits, g_logits, hidden, weight, bias, vocab_si
     v_rows = weight.shape[v_axis]
     vs = logits.shape[1]
     cols = jnp.arange(vs)
-    g_extra = None
-    if g_logits is not None:  # [rows, vocab_size] -> the saved columns
-        g_extra = jnp.pad(g_logits.astype(jnp.float32), ((0, 0), (0, vs - g_logits.shape[1])))
+    g_extra = None if g_full is None else g_full[:, :vs]  # the logits cotangent on the saved columns
     dz, sums = dz_from(logits, cols, cols < vocab_size, g_extra)
     if vs < v_rows:  # weight rows past the saved columns are padding: dz = 0 there
         dz = jnp.pad(dz, ((0, 0), (0, v_rows - vs)))
+    dh, dw, db = _gradient_gemms(dz, weight, hidden, bias, prec, v_axis)
+    return dh, dw, None if db is None else db.astype(bias.dtype), sums
+
+
+def _gradient_gemms(dz, w, hidden, bias, prec, v_axis):
+    """dz @ w (dh, f32), dz.T @ h (dW in w's layout and dtype; bf16 out, f32 accumulation)
+    and sum_rows dz (db, f32; None without a bias) for dz [rows, cols] and w of those cols."""
     wd = "vd" if v_axis == 0 else "dv"
-    out_dtype = jnp.float32 if weight.dtype == jnp.float32 else weight.dtype  # bf16 out, f32 accumulation
-    dh = jnp.einsum(f"nv,{wd}->nd", dz, weight.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec)
+    out_dtype = jnp.float32 if w.dtype == jnp.float32 else w.dtype
+    dh = jnp.einsum(f"nv,{wd}->nd", dz, w.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec)
     dw = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec)
-    db = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0).astype(bias.dtype)
-    return dh, dw.astype(weight.dtype), db, sums
+    db = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
+    return dh, dw.astype(w.dtype), db
 
 
 def inv_t_cotangent(inv_t, lse, logp, targets, vocab_size, g_logp, g_lse, entropy, g_entropy, plp, var):
@@ -314,20 +319,14 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, v_axis=0, n_
     `v_axis`: the weight's vocabulary axis (0: [V, D], 1: [D, V]; chunks are read in place)."""
     v_rows = weight.shape[v_axis]
     n_full, tail = divmod(v_rows, chunk)
-    wd = "vd" if v_axis == 0 else "dv"
-    out_dtype = jnp.float32 if weight.dtype == jnp.float32 else weight.dtype  # bf16 out, f32 accumulation
 
     def step(fresh_from, start, dh, acc):
         w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=v_axis)
         cols = start + jnp.arange(chunk)
         dz, sums = dz_of(fresh_from, start, w_c, cols)
         acc = tuple(a + s for a, s in zip(acc, sums))
-        dh = dh + jnp.einsum(
-            f"nv,{wd}->nd", dz, w_c.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec
-        )
-        dw_c = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec)
-        db_c = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
-        return dh, acc, dw_c.astype(weight.dtype), db_c
+        dh_c, dw_c, db_c = _gradient_gemms(dz, w_c, hidden, bias, prec, v_axis)
+        return dh + dh_c, acc, dw_c, db_c
 
     def body(carry, i):
         dh, dw, db, acc = carry
@@ -406,12 +405,13 @@ def _backward_fused_dz(
     ent_kw = {}
     if g_entropy is not None:  # padding rows: c3 = 0, h = 0
         ent_kw = {"c3": padr(-inv_t * g_entropy), "h": padr(entropy)}
-    layout_kw = {} if weight_layout == "vd" else {"weight_layout": weight_layout}
 
     def dz_of(fresh_from, start, w_c, cols):
         b_c = None if bias is None else lax.dynamic_slice_in_dim(bias.astype(jnp.float32), start, chunk)
         lo = 0 if fresh_from is None else fresh_from - start  # relative: the first new column
-        out = dz.fn(hp, w_c, b_c, tp - start, it, lp, c1p, c2p, lo, vocab_size - start, **ent_kw, **layout_kw)
+        out = dz.fn(
+            hp, w_c, b_c, tp - start, it, lp, c1p, c2p, lo, vocab_size - start, weight_layout=weight_layout, **ent_kw
+        )
         return out, ()
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())

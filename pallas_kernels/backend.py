@@ -41,7 +41,7 @@ def backend_entry() -> Backend:
         # XLA-formed dz in both layouts, with and without the entropy term.
         dz=DzKernel(
             fn=sm90_dz.dz_chunk,
-            supports=lambda h, w, chunk, weight_layout="vd": (
+            supports=lambda h, w, chunk, weight_layout: (
                 h.dtype == jnp.bfloat16
                 and wrapper.unsupported(h, w, weight_layout) is None
                 and sm90_dz.chunk_supported(chunk)

@@ -259,10 +259,6 @@ def dz_chunk(
     args = [hidden_p, w_c] + ([bias_c.astype(F32)] if bias_c is not None else [])
     args += [targets_c.astype(jnp.int32), inv_t.astype(F32), lse.astype(F32), c1.astype(F32), c2.astype(F32)]
     args += ([c3.astype(F32), h.astype(F32)] if c3 is not None else []) + [bounds]
-    # Only a non-default static argument is passed, so the default variant's jit key is unchanged.
-    extra = {"has_entropy": True} if c3 is not None else {}
-    if weight_layout != "vd":
-        extra["weight_layout"] = weight_layout
     return _dz_core(
         *args,
         n_pad=n_pad,
@@ -272,5 +268,6 @@ def dz_chunk(
         num_ctas=num_ctas,
         interpret=interpret,
         interpret_params=interpret_params,
-        **extra,
+        has_entropy=c3 is not None,
+        weight_layout=weight_layout,
     )

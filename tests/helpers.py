@@ -29,6 +29,28 @@ def assert_bitwise_equal(a, b, what=""):
     assert rows == 0, f"{what}: {rows} rows differ in bytes, max_abs_diff={mad}"
 
 
+def rel_err(got, want):
+    """Relative Frobenius error ||got - want|| / ||want|| in float64 (0-safe)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def grad_case(n, d, v_pad, vocab, seed):
+    """A gradient problem in f32 (round h and w to the model dtype yourself): hidden [n, d],
+    weight [v_pad, d] (logits of std ~1.5), bias, targets with an ignored row and the last
+    real token, per-row temperatures, and the logp / lse cotangents."""
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    w = (rng.standard_normal((v_pad, d)) * (1.5 / np.sqrt(d))).astype(np.float32)
+    b = (rng.standard_normal(v_pad) * 0.1).astype(np.float32)
+    t = rng.integers(0, vocab, n).astype(np.int32)
+    t[0], t[1] = -100, vocab - 1
+    temp = rng.uniform(0.6, 1.4, n).astype(np.float32)
+    g_lp = rng.standard_normal(n).astype(np.float32)
+    g_lse = rng.standard_normal(n).astype(np.float32)
+    return h, w, b, t, temp, g_lp, g_lse
+
+
 def f64_loss_grads(h, w, b, t, temp, vocab, g_lp, g_lse):
     """d/d(h, w, b) of sum(g_lp * logp + g_lse * lse), in float64, materialized."""
     h = np.asarray(h, np.float64)

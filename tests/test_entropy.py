@@ -14,7 +14,7 @@ import detlogp_jax as dl
 from detlogp_jax import backends, grad, numerics, reference
 from detlogp_jax import contract as C
 from detlogp_jax import oracle as O
-from tests.helpers import assert_bitwise_equal, bits, row_mismatches
+from tests.helpers import assert_bitwise_equal, bits, rel_err, row_mismatches
 
 D, V_ROWS, VOCAB, V_PAD = 16, 200, 190, 256  # padding rows in the weight and beyond it
 
@@ -444,11 +444,6 @@ def _f64_grads(h, w, b, t, temp, vocab, c_lp, c_lse, c_h, layout="vd"):
         return [np.asarray(g) for g in jax.grad(f, argnums=(0, 1, 2, 3))(h64, w64, b64, t64)]
 
 
-def _rel(got, want):
-    got = np.asarray(got, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-
-
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("mix", ["entropy", "mixed"])
 def test_gradients_of_the_entropy_match_float64(layout, mix):
@@ -485,7 +480,7 @@ def test_gradients_of_the_entropy_match_float64(layout, mix):
     want = _f64_grads(h, wl, b, t, temp, VOCAB, c_lp, c_lse, c_h, layout)
     for x, e, name in zip(got, want, ("hidden", "weight", "bias", "temperature")):
         assert np.asarray(x).shape == e.shape, name
-        assert _rel(x, e) <= 1e-4, (name, _rel(x, e))
+        assert rel_err(x, e) <= 1e-4, (name, rel_err(x, e))
     v_axis = 0 if layout == "vd" else 1
     assert np.abs(np.take(np.asarray(got[1]), np.arange(VOCAB, V_PAD), axis=v_axis)).max() == 0
     again = g(jnp.asarray(h), jnp.asarray(wl), jnp.asarray(b), temp)
@@ -506,7 +501,7 @@ def test_entropy_gradient_bf16_inputs():
     got = jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(h), jnp.asarray(w), jnp.asarray(b))
     want = _f64_grads(h, w, b, t, np.float32(0.8), VOCAB, 0.0, 0.0, c_h)
     for x, e in zip(got, want[:3]):
-        assert _rel(x, e) <= 1e-2
+        assert rel_err(x, e) <= 1e-2
 
 
 def test_an_unused_entropy_adds_nothing_to_the_gradient():
@@ -527,7 +522,7 @@ def test_an_unused_entropy_adds_nothing_to_the_gradient():
 def _fake_dz(declares_entropy, calls):
     """A DzKernel test double in XLA (f32): dz = c1 p + c2 onehot (+ c3 p (lp + h))."""
 
-    def fn(hp, w_c, b_c, t_c, inv_t, lse, c1, c2, lo, hi, c3=None, h=None):
+    def fn(hp, w_c, b_c, t_c, inv_t, lse, c1, c2, lo, hi, weight_layout, c3=None, h=None):
         calls.append(c3 is not None)
         z = jnp.einsum("nd,vd->nv", hp, w_c, precision=jax.lax.Precision.HIGHEST)
         if b_c is not None:
@@ -542,7 +537,7 @@ def _fake_dz(declares_entropy, calls):
             dz = dz + c3[:, None] * p * jnp.where(p > 0, lp + h[:, None], 0.0)
         return jnp.where(live[None, :], dz, 0.0)
 
-    return backends.DzKernel(fn=fn, supports=lambda h, w, chunk: True, row_multiple=8, entropy=declares_entropy)
+    return backends.DzKernel(fn=fn, supports=lambda h, w, chunk, layout: True, row_multiple=8, entropy=declares_entropy)
 
 
 @pytest.fixture
@@ -573,7 +568,7 @@ def test_a_dz_kernel_gets_the_entropy_term_only_if_it_declares_it(monkeypatch, f
     assert calls == ([True] if declares else []), calls  # without the flag: the XLA-formed path
     want = _f64_grads(h, w, b, t, np.float32(0.9), VOCAB, 1.0, 0.0, c_h)
     for x, e in zip(got, want[:3]):
-        assert _rel(x, e) <= 1e-4
+        assert rel_err(x, e) <= 1e-4
     calls.clear()
     jax.grad(lambda h: jnp.sum(jnp.nan_to_num(dl.linear_logp(h, w, t, backend="reference").logp)))(jnp.asarray(h))
     assert calls == [False]  # no entropy cotangent: the kernel serves as before

@@ -27,7 +27,7 @@ import pytest
 
 import detlogp_jax as dl
 from detlogp_jax import api, backends, grad, inputs
-from tests.helpers import ROOT, assert_bitwise_equal
+from tests.helpers import ROOT, assert_bitwise_equal, rel_err
 
 D, V_ROWS, VOCAB = 16, 200, 190  # padding rows in the weight
 MODES = ("recompute", "logits")
@@ -36,11 +36,6 @@ MODES = ("recompute", "logits")
 cpu_only = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="cross-program byte identity is checked on XLA:CPU"
 )
-
-
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
 def _problem(n=13, seed=0, dtype=np.float32, exact=False, layout="vd"):
@@ -142,7 +137,7 @@ def test_both_modes_match_float64_and_repeat_bitwise(layout, dtype):
                 if name == "temperature" and not f32:
                     continue
                 assert x.shape == e.shape, name
-                assert _rel(x, e) <= tol, (mode, extra, name, _rel(x, e))
+                assert rel_err(x, e) <= tol, (mode, extra, name, rel_err(x, e))
             v_axis = 0 if layout == "vd" else 1
             assert np.abs(np.take(np.asarray(got[1], np.float32), np.arange(VOCAB, V_ROWS), axis=v_axis)).max() == 0
             for x, y in zip(got, g(h, w, b, temp)):
@@ -171,7 +166,7 @@ def test_gradient_modes_agree_to_rounding_when_the_logits_agree(layout, dtype):
         }
         for x, y, name in zip(got["recompute"], got["logits"], ("hidden", "weight", "bias", "temperature")):
             assert np.isfinite(np.asarray(y, np.float32)).all(), (name, extra)
-            assert _rel(y, x) <= 1e-6, (name, extra, _rel(y, x))
+            assert rel_err(y, x) <= 1e-6, (name, extra, rel_err(y, x))
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
@@ -191,7 +186,7 @@ def test_gradient_modes_differ_by_no_more_than_the_accuracy_otherwise(layout, dt
             for mode in MODES
         }
         for x, y, name in zip(got["recompute"], got["logits"], ("hidden", "weight", "bias", "temperature")):
-            assert _rel(y, x) <= (1e-5 if f32 else 1e-2), (name, extra, _rel(y, x))
+            assert rel_err(y, x) <= (1e-5 if f32 else 1e-2), (name, extra, rel_err(y, x))
 
 
 def _exact_backward_case(layout, seed=3):
@@ -243,7 +238,7 @@ def test_backward_from_saved_logits_is_the_recompute_formula(layout, chunk):
                     if cols == V_ROWS or i < 2:
                         assert_bitwise_equal(x, y, f"leaf {i}, {cols} cols, {sorted(kw)}, g_logits={gl is not None}")
                     else:
-                        assert _rel(y, x) <= 1e-6, (i, cols, sorted(kw), _rel(y, x))
+                        assert rel_err(y, x) <= 1e-6, (i, cols, sorted(kw), rel_err(y, x))
 
 
 def test_backward_refuses_saved_logits_of_the_wrong_shape():
@@ -358,7 +353,7 @@ def test_the_fused_dz_kernel_is_not_used_in_residual_mode(monkeypatch, fresh_tra
     """A backend's dz kernel recomputes z; it has no logits input: the residual mode never calls it."""
     calls = []
 
-    def fn(hp, w_c, b_c, t_c, inv_t, lse, c1, c2, lo, hi):
+    def fn(hp, w_c, b_c, t_c, inv_t, lse, c1, c2, lo, hi, weight_layout):
         calls.append(hp.shape)
         z = jnp.einsum("nd,vd->nv", hp, w_c, precision=jax.lax.Precision.HIGHEST) + b_c[None, :]
         cols = jnp.arange(w_c.shape[0])
@@ -367,7 +362,7 @@ def test_the_fused_dz_kernel_is_not_used_in_residual_mode(monkeypatch, fresh_tra
         dz = c1[:, None] * p + c2[:, None] * (cols[None, :] == t_c[:, None])
         return jnp.where(live[None, :], dz, 0.0)
 
-    kern = backends.DzKernel(fn=fn, supports=lambda h, w, chunk: True, row_multiple=8)
+    kern = backends.DzKernel(fn=fn, supports=lambda h, w, chunk, layout: True, row_multiple=8)
     ref = backends.get("reference")
     monkeypatch.setitem(backends._LOADED, "reference", backends.Backend(**{**ref.__dict__, "dz": kern}))
     h, w, b, t, _ = _problem(n=9, seed=10)

@@ -16,29 +16,14 @@ import pytest
 
 import detlogp_jax as dl
 from detlogp_jax import backends, grad, inputs
-from tests.helpers import assert_bitwise_equal, f64_loss_grads
+from tests.helpers import assert_bitwise_equal, f64_loss_grads, grad_case, rel_err
 
 pytestmark = pytest.mark.gpu
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 def _case(n, d, v_pad, vocab, seed):
-    rng = np.random.default_rng(seed)
-    h = rng.standard_normal((n, d)).astype(np.float32)
-    w = (rng.standard_normal((v_pad, d)) * (1.5 / np.sqrt(d))).astype(np.float32)
-    b = (rng.standard_normal(v_pad) * 0.1).astype(np.float32)
-    t = rng.integers(0, vocab, n).astype(np.int32)
-    t[0], t[1] = -100, vocab - 1
-    temp = rng.uniform(0.6, 1.4, n).astype(np.float32)
-    g_lp = rng.standard_normal(n).astype(np.float32)
-    g_lse = rng.standard_normal(n).astype(np.float32)
-    hb = jnp.asarray(h, jnp.bfloat16)
-    wb = jnp.asarray(w, jnp.bfloat16)
-    return hb, wb, b, t, temp, g_lp, g_lse
+    h, w, b, t, temp, g_lp, g_lse = grad_case(n, d, v_pad, vocab, seed)
+    return jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), b, t, temp, g_lp, g_lse
 
 
 @pytest.mark.parametrize("n,d,v_pad,vocab", [(12, 128, 1536, 1500), (300, 256, 50176, 50000), (5, 128, 152064, 151936)])
@@ -59,7 +44,7 @@ def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
         np.asarray(hb, np.float32), np.asarray(wb, np.float32), b, t, temp[:, None], vocab, g_lp, g_lse
     )
     for g, e, name in zip(got, want, ("hidden", "weight", "bias")):
-        assert _rel(g, e) < 1e-2, (name, _rel(g, e))
+        assert rel_err(g, e) < 1e-2, (name, rel_err(g, e))
     assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0
     for g, g2 in zip(got, again):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
@@ -107,7 +92,7 @@ def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout):
     assert calls, "the fused dz kernel did not run"
     for g, e, name in zip(fused, plain, ("hidden", "weight", "bias")):
         assert np.isfinite(np.asarray(g, np.float32)).all(), name
-        assert _rel(g, e) < 1e-2, (name, _rel(g, e))
+        assert rel_err(g, e) < 1e-2, (name, rel_err(g, e))
     dw = np.asarray(fused[1], np.float32)
     assert np.abs(dw.T[vocab:] if layout == "dv" else dw[vocab:]).max() == 0
     for g, g2 in zip(fused, again):

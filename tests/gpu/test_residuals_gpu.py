@@ -16,28 +16,15 @@ import numpy as np
 import pytest
 
 import detlogp_jax as dl
-from tests.helpers import assert_bitwise_equal, f64_loss_grads
+from tests.helpers import assert_bitwise_equal, f64_loss_grads, grad_case, rel_err
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("n,d,v_pad,vocab", [(12, 128, 1536, 1500), (300, 256, 50176, 50000), (5, 128, 152064, 151936)])
 def test_pallas_residual_mode(n, d, v_pad, vocab, layout):
-    rng = np.random.default_rng(n)
-    h = rng.standard_normal((n, d)).astype(np.float32)
-    w = (rng.standard_normal((v_pad, d)) * (1.5 / np.sqrt(d))).astype(np.float32)
-    b = (rng.standard_normal(v_pad) * 0.1).astype(np.float32)
-    t = rng.integers(0, vocab, n).astype(np.int32)
-    t[0], t[1] = -100, vocab - 1
-    temp = rng.uniform(0.6, 1.4, n).astype(np.float32)
-    g_lp = rng.standard_normal(n).astype(np.float32)
-    g_lse = rng.standard_normal(n).astype(np.float32)
+    h, w, b, t, temp, g_lp, g_lse = grad_case(n, d, v_pad, vocab, seed=n)
     hb = jnp.asarray(h, jnp.bfloat16)
     wb = jnp.asarray(w, jnp.bfloat16)
     wl = wb if layout == "vd" else jnp.asarray(np.ascontiguousarray(np.asarray(wb).T))
@@ -68,8 +55,8 @@ def test_pallas_residual_mode(n, d, v_pad, vocab, layout):
         got = np.asarray(grads["logits"][i], np.float32)
         if name == "weight" and layout == "dv":
             got = got.T
-        assert _rel(got, want[i]) < 1e-2, (name, _rel(got, want[i]))
-        assert _rel(grads["logits"][i], grads["recompute"][i]) < 1e-2, name
+        assert rel_err(got, want[i]) < 1e-2, (name, rel_err(got, want[i]))
+        assert rel_err(grads["logits"][i], grads["recompute"][i]) < 1e-2, name
         same.append(bool((np.asarray(grads["logits"][i]) == np.asarray(grads["recompute"][i])).all()))
     v_axis = 0 if layout == "vd" else 1
     assert np.abs(np.take(np.asarray(grads["logits"][1], np.float32), np.arange(vocab, v_pad), axis=v_axis)).max() == 0
