@@ -81,12 +81,7 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config, keep_logits: bool
     if be.contract_bearing:
         # logits_cols: the backend writes the real vocabulary's columns only, so the
         # serving entry never copies an [N, V_rows] array to drop the padding columns.
-        parts = be.partials(
-            hidden,
-            weight,
-            bias,
-            targets,
-            inv_t,
+        kw = dict(
             vocab_size=cfg.vocab_size,
             padded_vocab_size=cfg.padded_vocab_size,
             return_logits=cfg.return_logits or keep_logits,
@@ -95,6 +90,10 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config, keep_logits: bool
             **cfg.entropy_kwargs(),
             **kw,
         )
+        if be.fused_forward is not None:  # the same bytes as the partials + fold below, in one call
+            logp, lse, logits, entropy = be.fused_forward(hidden, weight, bias, targets, inv_t, **kw)
+            return logp, lse, logits, (entropy if cfg.return_entropy else None)
+        parts = be.partials(hidden, weight, bias, targets, inv_t, **kw)
         m, s, z_t, owned, logits = parts[:5]
         if cfg.return_entropy:
             logp, lse, entropy = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size, a=parts[5])

@@ -88,6 +88,12 @@ class Backend:
     accepts `forward(..., return_entropy=True)` -> (logp, lse, logits, entropy).
     A backend without it (the default, e.g. an older plugin) refuses a call with
     `return_entropy=True` (`resolve`).
+
+    `fused_forward` (contract-bearing backends, optional): takes `partials`' arguments
+    (and `fold`'s vocab_size) and returns (logp, lse, logits | None, entropy | None) with
+    exactly the bytes of `fold(*partials(...)[:3], targets, inv_t, vocab_size, a=...)`;
+    the op core uses it for an unsharded head (tensor parallelism needs the partials
+    themselves), so a backend can skip re-laying out the partials between its kernels.
     """
 
     name: str
@@ -97,6 +103,8 @@ class Backend:
     partials: Callable | None = None
     fold: Callable | None = None
     forward: Callable | None = None
+    # Contract-bearing, optional: fold(partials(...)) of an unsharded head in one call (see the class doc).
+    fused_forward: Callable | None = None
     dz: DzKernel | None = None
     # Weight layouts it reads in place ("vd" [V, D], "dv" [D, V]). `supports(hidden, weight)`
     # sees a [V, D] weight; for another declared layout it is called as

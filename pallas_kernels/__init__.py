@@ -8,6 +8,9 @@ Interface (mirrors `detlogp_jax.reference`):
          (+ A [N, n_local], the entropy statistic, with return_entropy=True)
   fold(m, s, z_t, targets, inv_t, vocab_size, a=None) -> (logp [N], lse [N])
          (+ entropy [N] with a=A: `linear-logp-entropy-v1`, docs/CONTRACT.md section 9)
+  forward(hidden, weight, bias, targets, inv_t, *, vocab_size, padded_vocab_size, ...)
+      -> (logp, lse, logits | None, entropy | None): fold(partials(...)) of an unsharded
+         head in one call, the same bytes, no re-layout of the partials between the kernels
 plus `is_available()`, `unavailable_reason()`, `supports(hidden, weight)`,
 `shard_geometry`, the launch table `BUCKETS` / `select_bucket`, the
 bit-neutral launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
@@ -34,7 +37,7 @@ from __future__ import annotations
 from pallas_kernels.common import shard_geometry
 from pallas_kernels.sm90_fold import fold
 from pallas_kernels.tuning import BUCKETS, select_bucket
-from pallas_kernels.wrapper import partials, unsupported
+from pallas_kernels.wrapper import forward, partials, unsupported
 
 BACKEND_NAME = "pallas_sm90"
 
@@ -71,6 +74,7 @@ __all__ = [
     "BACKEND_NAME",
     "partials",
     "fold",
+    "forward",
     "is_available",
     "unavailable_reason",
     "supports",

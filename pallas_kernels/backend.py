@@ -31,6 +31,7 @@ def backend_entry() -> Backend:
         supports=pk.supports,
         partials=pk.partials,
         fold=pk.fold,
+        fused_forward=pk.forward,
         # The forward kernels read [V, D] and [D, V] weights in place (same bytes: the
         # K walk, instruction shapes and trees do not depend on where wgmma's B comes from).
         layouts=frozenset({"vd", "dv"}),

@@ -316,8 +316,12 @@ def pipeline_stages(cfg: ForwardConfig, tiles_per_group: int, tile_k: int = 64, 
     return max(2, min(cfg.max_concurrent_steps, budget // stage_bytes(cfg, tiles_per_group, tile_k)))
 
 
-# Upper bounds (inclusive) of M per bucket, in order.
-BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (512, "small"), (1 << 62, "prefill"))
+# Upper bounds (inclusive) of M per bucket, in order. "small" ends at 256: above it the
+# prefill kernel is faster (H200, kernel alone, benchmarks/results/h200_2026-12-01c/
+# call3_probe_small7_residual7.log: M = 256 small 0.536 / prefill 0.555 ms, M = 512 1.036 / 1.002 ms,
+# M = 1024 1.907 / 1.870 ms). Which bucket serves changes no byte (every bucket gives the
+# same bytes: tests/gpu/test_pallas_gpu.py, the ladder's B stage).
+BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (256, "small"), (1 << 62, "prefill"))
 
 
 def select_bucket(n_rows: int, bucket: "str | ForwardConfig | None" = None) -> ForwardConfig:

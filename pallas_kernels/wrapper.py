@@ -1,6 +1,8 @@
-"""The host side of the pallas_sm90 forward: `partials` and `unsupported`.
+"""The host side of the pallas_sm90 forward: `partials`, `forward` and `unsupported`.
 
-`partials` checks the operands, picks the launch config (`tuning.select_bucket`:
+`partials` (the per-split partials, for the fold and for tensor parallelism) and
+`forward` (partials and fold of an unsharded head in one call, no re-layout
+between the two kernels) share one launch (`_launch`). It checks the operands, picks the launch config (`tuning.select_bucket`:
 an M bucket, or a forced bucket / config), pads the rows (and the weight rows
 of a [V, D] weight to a multiple of 8, the bias to whole tile groups; a [D, V]
 weight, `weight_layout="dv"`, is read in place, never copied), launches the kernel the
@@ -12,19 +14,20 @@ target. None of these steps changes a bit of the partials: the padding rows
 are independent of the real ones and the selection is data movement.
 
 Only `__init__` and `backend` import this module; the kernels import `common`
-and `tuning`.
+and `tuning`, and this module launches the fold (`sm90_fold.fold_transposed`).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from detlogp_jax import contract as C
-from pallas_kernels import common, sm90_forward_wgmma, sm90_forward_ws, tuning
+from pallas_kernels import common, sm90_fold, sm90_forward_wgmma, sm90_forward_ws, tuning
 from pallas_kernels.common import F32, TILE, TILE_K
 
 _STATIC = (
@@ -109,7 +112,7 @@ def _pad_rows(x, rows, value=0):
     return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
-def partials(
+def _launch(
     hidden,
     weight,
     bias,
@@ -129,7 +132,7 @@ def partials(
     weight_layout: str = "vd",
     return_entropy: bool = False,
 ):
-    """Per-split LSE partials of z = hidden @ W.T (+ bias) for the local shard.
+    """One forward launch for the local shard (`partials` and `forward` present its result).
 
     Args:
       hidden: [N, D] bf16. weight: W [Vl, D] bf16 (weight_layout="vd"), row r
@@ -169,15 +172,15 @@ def partials(
       return_entropy: a static kernel build argument: the kernels also carry
         the entropy statistic A of `linear-logp-entropy-v1` (docs/CONTRACT.md
         section 9) next to S through the same tiles, tree and chain, and it is
-        returned as a sixth array (as `detlogp_jax.reference.partials` does);
-        m, S, z_t and the logits are the same bytes either way. False launches
-        exactly the kernels without the statistic.
+        returned too (`partials`' sixth array, as `detlogp_jax.reference.partials`
+        gives it); m, S, z_t and the logits are the same bytes either way. False
+        launches exactly the kernels without the statistic.
 
     Returns:
-      (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
-       logits [N, Vl] f32 or None), and with return_entropy a sixth array,
-      A [N, n_local] f32. z_t is the raw target logit captured by
-      the one tile owning the target (0 where `owned` is False).
+      a `_Launched`: m, s (and A) split-major over the padded rows, z_t (the
+      raw target logit captured by the one tile owning the target; 0 where
+      `owned` is False), owned, the logits [N, logits_cols or Vl] f32 or None,
+      and the padded targets / inv_t the kernel read.
     """
     hidden = jnp.asarray(hidden)
     weight = jnp.asarray(weight)
@@ -215,7 +218,8 @@ def partials(
     if bias is not None:
         width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE
         args.append(jnp.pad(bias, (0, width - bias.shape[0])))
-    args += [_pad_rows(targets, n_pad, C.IGNORE_INDEX), _pad_rows(inv_t, n_pad, 1.0)]
+    targets_p, inv_t_p = _pad_rows(targets, n_pad, C.IGNORE_INDEX), _pad_rows(inv_t, n_pad, 1.0)
+    args += [targets_p, inv_t_p]
     # Logits rows: TMA clips rows past the array, but the array's row count
     # must be a multiple of 8 (or < 8) for the tiled store.
     lg_rows = n if (n % 8 == 0 or n < 8) else -(-n // 8) * 8
@@ -256,12 +260,66 @@ def partials(
     # As in the reference backend: a target is owned by the shard if its column
     # has a weight row here (targets >= vocab_size that do are captured too;
     # the fold turns them into NaN either way).
-    owned = (targets >= geom.col_offset) & (targets < geom.col_offset + v_rows)
-    local_tile = jnp.clip((targets - geom.col_offset) // TILE, 0, local_tiles - 1)
+    # (Over the padded rows: a padding row's target is IGNORE_INDEX, never owned.)
+    owned = (targets_p >= geom.col_offset) & (targets_p < geom.col_offset + v_rows)
+    local_tile = jnp.clip((targets_p - geom.col_offset) // TILE, 0, local_tiles - 1)
     owner = jnp.asarray(tile_to_split)[local_tile]
-    z_t = jnp.where(owned, zt_t[owner, jnp.arange(n)], jnp.asarray(0.0, F32))
-    out = (m_t[:, :n].T, s_t[:, :n].T, z_t, owned, logits)
-    return out + (a_t[:, :n].T,) if return_entropy else out
+    z_t = jnp.where(owned, zt_t[owner, jnp.arange(n_pad)], jnp.asarray(0.0, F32))
+    return _Launched(n, m_t, s_t, a_t, z_t, owned, logits, targets_p, inv_t_p)
 
 
-__all__ = ["partials", "unsupported"]
+class _Launched(NamedTuple):
+    """What one forward launch gives, before any re-layout: the partials split-major and
+    over the kernel's padded rows (m, s, a [n_local, n_pad]; z_t, owned and the padded
+    targets / inv_t the kernel read [n_pad]; rows >= n are padding rows), and the logits
+    [n, want_cols] or None."""
+
+    n: int
+    m_t: jax.Array
+    s_t: jax.Array
+    a_t: jax.Array | None
+    z_t: jax.Array
+    owned: jax.Array
+    logits: jax.Array | None
+    targets_p: jax.Array
+    inv_t_p: jax.Array
+
+
+def partials(hidden, weight, bias, targets, inv_t, **kw):
+    """Per-split LSE partials of z = hidden @ W.T (+ bias) for the local shard: see `_launch`
+    for the arguments. Returns (m [N, n_local], s [N, n_local], z_t [N] f32, owned [N] bool,
+    logits [N, Vl] f32 or None), and with return_entropy=True a sixth array, A [N, n_local]."""
+    r = _launch(hidden, weight, bias, targets, inv_t, **kw)
+    n = r.n
+    out = (r.m_t[:, :n].T, r.s_t[:, :n].T, r.z_t[:n], r.owned[:n], r.logits)
+    return out + (r.a_t[:, :n].T,) if r.a_t is not None else out
+
+
+def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, **kw):
+    """fold(partials(...)) of an unsharded head in one call: (logp [N], lse [N], logits or None,
+    entropy [N] or None (with return_entropy=True)), the same bytes as
+    `sm90_fold.fold(*partials(...)[:3], targets, inv_t, vocab_size, a=...)` (the same two
+    kernels on the same rows), without the re-layout between them: the fold reads the
+    forward's split-major partials over the forward's padded rows (the padding rows are
+    folded too and dropped; every row's fold is independent of the others), so at decode
+    sizes no partials are transposed, sliced or padded again. Arguments: `_launch`'s;
+    fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`)."""
+    r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, **kw)
+    out = sm90_fold.fold_transposed(
+        r.m_t,
+        r.s_t,
+        r.z_t,
+        r.targets_p,
+        r.inv_t_p,
+        vocab_size,
+        aT=r.a_t,
+        interpret=kw.get("interpret", False),
+        interpret_params=kw.get("interpret_params"),
+        cfg=fold_cfg,
+    )
+    logp, lse = out[0][: r.n], out[1][: r.n]
+    entropy = out[2][: r.n] if r.a_t is not None else None
+    return logp, lse, r.logits, entropy
+
+
+__all__ = ["forward", "partials", "unsupported"]

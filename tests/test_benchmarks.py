@@ -212,6 +212,25 @@ def test_trace_summary_prefers_device_threads():
     assert host["scope"] == "host" and host["rows"][0]["name"] == "host_op"
 
 
+def test_trace_summary_tells_repeated_kernels_apart():
+    """Two kernels of one name per call (Mosaic calls every Pallas kernel `kernel_mosaic_gpu_kernel`) get
+    one row each, by launch order within the call, or by HLO op where the trace names one."""
+    from benchmarks.experiments import trace_summary
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    k = "kernel_mosaic_gpu_kernel"
+    ev = [
+        {"ph": "X", "pid": 2, "tid": 7, "name": k, "ts": t, "dur": d}
+        for t, d in ((0, 290), (300, 5), (400, 292), (700, 7))
+    ]
+    s = trace_summary.summarize({"traceEvents": meta + ev}, calls=2)
+    assert {r["name"]: r["us_per_call"] for r in s["rows"]} == {f"{k}#1": 291.0, f"{k}#2": 6.0}
+    for e, op in zip(ev, ("fwd", "fold", "fwd", "fold")):
+        e["args"] = {"hlo_op": op}
+    s = trace_summary.summarize({"traceEvents": meta + ev}, calls=2)
+    assert {r["name"]: r["count"] for r in s["rows"]} == {f"{k} [fwd]": 2, f"{k} [fold]": 2}
+
+
 _EXPERIMENTS_DRY_RUN = r"""
 import dataclasses
 import json
@@ -235,7 +254,7 @@ class Recorder:
         pass
 
 probe_kernel.Probe = Recorder
-groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws"
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7"
 probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
 probe_kernel.main([])
 assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,

@@ -596,3 +596,40 @@ def test_contract_doc_states_the_entropy_program():
     ):
         assert line in doc, line
     assert C.contract_constants()["ENTROPY"]["id"] == C.ENTROPY_ID
+
+
+def test_a_fused_forward_serves_the_unsharded_head_with_the_same_bytes(monkeypatch, fresh_traces):
+    """A contract backend's `fused_forward` (fold(partials(...)) in one call) is what the op core
+    calls for an unsharded head, forward and residual backward, with the arguments partials gets;
+    a backend without it is served by partials + fold; both give the same bytes."""
+    calls = []
+    ref = backends.get("reference")
+
+    def fused(hidden, weight, bias, targets, inv_t, **kw):
+        calls.append(sorted(kw))
+        parts = ref.partials(hidden, weight, bias, targets, inv_t, **kw)
+        a = parts[5] if kw.get("return_entropy") else None
+        out = ref.fold(*parts[:3], targets, inv_t, kw["vocab_size"], a=a)
+        return out[0], out[1], parts[4], (out[2] if a is not None else None)
+
+    n = 9
+    h, w, b = _problem(n, seed=31)
+    t = np.random.default_rng(32).integers(0, VOCAB, n).astype(np.int32)
+    call = lambda **kw: dl.linear_logp(h, w, t, bias=b, temperature=0.8, vocab_size=VOCAB, backend="reference", **kw)
+    want = [call(return_entropy=True, return_logits=True), call()]
+    monkeypatch.setitem(backends._LOADED, "reference", backends.Backend(**{**ref.__dict__, "fused_forward": fused}))
+    jax.clear_caches()  # a cached trace would run no Python
+    got = [call(return_entropy=True, return_logits=True), call()]
+    assert len(calls) == 2 and "padded_vocab_size" in calls[0] and "return_entropy" in calls[0], calls
+    for g, e in zip(got, want):
+        for name in ("logp", "lse", "entropy", "logits"):
+            if getattr(e, name) is not None:
+                assert_bitwise_equal(np.asarray(getattr(g, name)), np.asarray(getattr(e, name)), name)
+    assert got[1].entropy is None and got[1].logits is None
+    grad_of = lambda: jax.grad(lambda h: jnp.sum(jnp.nan_to_num(call(residuals="logits").logp)))(jnp.asarray(h))
+    g_fused = grad_of()
+    assert len(calls) == 3
+    monkeypatch.setitem(backends._LOADED, "reference", ref)
+    jax.clear_caches()
+    assert_bitwise_equal(np.asarray(g_fused), np.asarray(grad_of()), "residual-mode dh")
+    assert backends.get("reference").fused_forward is None

@@ -354,3 +354,39 @@ def test_fold_refuses_a_statistic_of_another_shape():
     m = np.zeros((4, 3), np.float32)
     with pytest.raises(ValueError, match="entropy statistic"):
         pk.fold(m, m, np.zeros(4), np.zeros(4, np.int32), np.ones(4, np.float32), 100, a=m[:, :2], interpret=True)
+
+
+@pytest.mark.parametrize("n", [1, 70], ids=["M1", "M70"])
+def test_fused_forward_equals_partials_and_fold(n):
+    """pk.forward (the fold reads the forward's split-major partials over its padded rows, no
+    re-layout) == pk.fold(*pk.partials(...)) byte for byte: logp, lse, entropy and the logits,
+    with and without the statistic and the logits, bias and per-row T, a one-row decode call and
+    rows that pad to a second row block, the rowloop fold too."""
+    d, v, vl, vp = 128, 328, 384, 512
+    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=5)
+    tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
+    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2)
+    for ent, lg, fold_cfg in ((True, True, None), (False, False, None), (True, False, tuning.FoldConfig(staged=False))):
+        parts = pk.partials(h, w, b, tj, ij, return_entropy=ent, return_logits=lg, logits_cols=v if lg else None, **kw)
+        want = pk.fold(*parts[:3], tj, ij, v, a=parts[5] if ent else None, interpret=True, cfg=fold_cfg)
+        got = pk.forward(
+            h,
+            w,
+            b,
+            tj,
+            ij,
+            return_entropy=ent,
+            return_logits=lg,
+            logits_cols=v if lg else None,
+            fold_cfg=fold_cfg,
+            **kw,
+        )
+        assert len(got) == 4 and (got[3] is None) == (not ent) and (got[2] is None) == (not lg)
+        what = f"entropy={ent} logits={lg} fold={fold_cfg}"
+        _same(got[0], want[0], f"logp {what}")
+        _same(got[1], want[1], f"lse {what}")
+        if ent:
+            _same(got[3], want[2], f"entropy {what}")
+        if lg:
+            assert got[2].shape == (n, v)
+            _same(got[2], parts[4], f"logits {what}")

@@ -234,6 +234,9 @@ def test_buckets():
     assert tuning.select_bucket(1).name == "decode"
     assert tuning.select_bucket(64).name == "decode"
     assert tuning.select_bucket(65).name == "small"
+    assert tuning.select_bucket(256).name == "small"
+    assert tuning.select_bucket(257).name == "prefill"
+    assert tuning.select_bucket(512).name == "prefill"
     assert tuning.select_bucket(4096).name == "prefill"
     assert tuning.select_bucket(7, "prefill").name == "prefill"
     with pytest.raises(ValueError):
@@ -288,7 +291,7 @@ def test_shipped_configs_are_pinned():
     assert tuning.FOLD == tuning.FoldConfig(staged=True, rows=32, chunk=64, unroll=None)
     assert tuning.DZ == tuning.DzConfig(block_m=64, num_compute_wgs=2, block_n=256, max_concurrent_steps=4, col_group=4)
     assert tuning.DZ.rows_per_cta == 128
-    assert [upper for upper, _ in tuning.BUCKET_TABLE[:2]] == [64, 512]
+    assert [upper for upper, _ in tuning.BUCKET_TABLE[:2]] == [64, 256]
 
 
 @pytest.mark.parametrize("name", sorted(tuning.BUCKETS))

@@ -40,7 +40,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -206,6 +206,25 @@ def main(argv):
             p.kernel("decode", "decode chain-in-wgmma", m, _v("decode_chain", "d0"))
             p.kernel("decode", "decode chain-in-wgmma+delay", m, _v("decode_chain", "d1", delay_release=1))
             p.kernel("decode", "decode chain-in-wgmma+st8", m, _v("decode_chain", "d2", max_concurrent_steps=8))
+
+    if "decode7" in groups:
+        # The decode bucket's weight stream (seventh session, issue 18 item 3: the forward at M <= 64
+        # against the GEMM alone): pipeline depth, 32-wide K slices with deeper pipelines, and two
+        # CTAs per SM (264 CTAs: one split each, no item switch), next to the GEMM alone.
+        for m in (1, 8, 64):
+            p.kernel("decode7", "decode (st5)", m, tuning.BUCKETS["decode"])
+            p.kernel("decode7", "st4", m, _v("decode", "d7s4", max_concurrent_steps=4))
+            for st in (6, 8, 10):
+                p.kernel("decode7", f"tile_k32 st{st}", m, _v("decode", f"d7k{st}", tile_k=32, max_concurrent_steps=st))
+            p.kernel("decode7", "2 CTAs/SM st2", m, _v("decode", "d7c2", ctas_per_sm=2, max_concurrent_steps=2))
+            p.kernel(
+                "decode7",
+                "2 CTAs/SM tile_k32 st4",
+                m,
+                _v("decode", "d7c4", ctas_per_sm=2, tile_k=32, max_concurrent_steps=4),
+            )
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("decode7", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob
@@ -401,6 +420,58 @@ def main(argv):
     def bwd_setup(m):
         """Backward inputs at M rows: arg sets (h, W, t), a fixed lse, unit inv_t / g_logp."""
         return [(h, p.w, t) for h, t in p.sets(m)], jnp.full((m,), 12.0, F32), jnp.ones((m,), F32)
+
+    if "small7" in groups:
+        # The launch config between decode and prefill (seventh session, issue 18 item 3: the
+        # forward at M >= 512 against the GEMM alone): the small and prefill buckets and
+        # variants at M = 128 .. 1024, next to the GEMM alone.
+        for m in (128, 256, 512, 1024):
+            p.kernel("small7", "small", m, tuning.BUCKETS["small"])
+            p.kernel("small7", "prefill", m, tuning.BUCKETS["prefill"])
+            p.kernel("small7", "ws small st3", m, _v("small", "s7w3", epilogue_wgs=1, max_concurrent_steps=3))
+            p.kernel("small7", "small g4", m, _v("small", "s7g4", split_group=4))
+            p.kernel("small7", "prefill g0", m, _v("prefill", "s7p0", split_group=0))
+            p.kernel("small7", "prefill cluster2", m, _v("prefill", "s7c2", cluster=2))
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("small7", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
+    if "residual7" in groups:
+        # The residual mode's backward pieces at M = 4096 (issue 18 item 2): the whole backward
+        # from saved FP32 logits, the dz pass alone, each gradient GEMM alone (output dtypes,
+        # operand orders), against the same run's GEMM alone.
+        m = 4096
+        arg_sets, lse, ones = bwd_setup(m)
+        lg = jax.random.normal(jax.random.key(7), (m, V_ROWS), F32) * 3.0
+        zero = jnp.zeros_like(ones)
+        full = jax.jit(
+            lambda h, w, t, lg: grad.backward(h, w, None, t, ones, lse, ones, zero, None, vocab_size=V_REAL, logits=lg)
+        )
+        p.generic("residual7", "backward from logits", m, full, [(*a, lg) for a in arg_sets], calls=2)
+
+        def dz_pass(lg, t):
+            cols = jnp.arange(lg.shape[1])
+            pr = jnp.where(cols < V_REAL, jnp.exp(lg - lse[:, None]), 0.0)
+            return ((cols[None, :] == t[:, None]).astype(F32) - pr).astype(jnp.bfloat16)
+
+        p.generic("residual7", "dz pass", m, jax.jit(dz_pass), [(lg, a[2]) for a in arg_sets], calls=2)
+        dz = jax.block_until_ready(jax.jit(dz_pass)(lg, arg_sets[0][2]))
+        del lg
+        w = p.w
+        gemms = {
+            "dh f32 out": lambda dz, w, h: jnp.einsum("nv,vd->nd", dz, w, preferred_element_type=F32),
+            "dh bf16 out": lambda dz, w, h: jnp.einsum("nv,vd->nd", dz, w, preferred_element_type=jnp.bfloat16),
+            "dh as [D, N]": lambda dz, w, h: jnp.einsum("nv,vd->dn", dz, w, preferred_element_type=F32),
+            "dW bf16 out": lambda dz, w, h: jnp.einsum("nv,nd->vd", dz, h, preferred_element_type=jnp.bfloat16),
+            "dh + dW": lambda dz, w, h: (
+                jnp.einsum("nv,vd->nd", dz, w, preferred_element_type=F32),
+                jnp.einsum("nv,nd->vd", dz, h, preferred_element_type=jnp.bfloat16),
+            ),
+        }
+        for name, f in gemms.items():
+            p.generic("residual7", name, m, jax.jit(f), [(dz, w, a[0]) for a in arg_sets], calls=2)
+        p.generic(
+            "residual7", "gemm (forward)", m, jax.jit(lambda h, w: baselines.gemm(h, w)), [(a[0], w) for a in arg_sets]
+        )
 
     if "backward" in groups:
         m = 4096

@@ -24,9 +24,9 @@ def summarize(trace: dict, calls: int) -> dict:
     scope = "device" if device_pids else "host"
     chosen = [e for e in events if (e["pid"] in device_pids) or not device_pids]
     per_name = collections.defaultdict(lambda: [0, 0.0])
-    for e in chosen:
-        per_name[e["name"]][0] += 1
-        per_name[e["name"]][1] += float(e["dur"])
+    for name, dur in _split_repeated(chosen, calls):
+        per_name[name][0] += 1
+        per_name[name][1] += dur
     rows = sorted(
         ({"name": n, "count": c, "total_us": t, "us_per_call": t / max(calls, 1)} for n, (c, t) in per_name.items()),
         key=lambda r: -r["total_us"],
@@ -45,6 +45,27 @@ def summarize(trace: dict, calls: int) -> dict:
         "rows": rows,
         "processes": sorted(set(proc_names.values())),
     }
+
+
+def _split_repeated(events: list, calls: int):
+    """(name, duration) per event; a name launched k > 1 times per call (e.g. two Pallas kernels that
+    Mosaic both calls `kernel_mosaic_gpu_kernel`) is told apart by its HLO op when the trace names
+    one, else by its launch order within the call ("name#1", "name#2", ...)."""
+    by_name = collections.defaultdict(list)
+    for e in events:
+        by_name[e["name"]].append(e)
+    for name, evs in by_name.items():
+        ops = {str(e.get("args", {}).get("hlo_op", "")) for e in evs}
+        per_call = len(evs) // max(calls, 1)
+        if len(ops) > 1:
+            for e in evs:
+                yield f"{name} [{e.get('args', {}).get('hlo_op', '')}]", float(e["dur"])
+        elif per_call > 1 and len(evs) == per_call * calls:
+            for i, e in enumerate(sorted(evs, key=lambda e: float(e["ts"]))):
+                yield f"{name}#{i % per_call + 1}", float(e["dur"])
+        else:
+            for e in evs:
+                yield name, float(e["dur"])
 
 
 def load_trace(trace_dir: str) -> dict:

@@ -404,7 +404,14 @@ def test_fold_entropy_layouts_equal_oracle(n_split):
     inv_t = np.concatenate([inv_t, oracle.inv_temperature(rng.uniform(0.3, 2, nr).astype(np.float32), nr)])
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     rh = oracle.fold_entropy(m, s, a)
-    variants = [{}, dict(staged=False), dict(chunk=4, unroll=8), dict(chunk=128, unroll=n_split)]
+    # Fully unrolled where the plan's split counts are (<= 264); at 455 / 600 a 64-split trip with a
+    # remainder (a 600-split unroll of both row-loop passes takes minutes to compile).
+    variants = [
+        {},
+        dict(staged=False),
+        dict(chunk=4, unroll=8),
+        dict(chunk=128, unroll=n_split if n_split <= 264 else 64),
+    ]
     variants.append(dict(rows=64, chunk=6, unroll=5))
     ref = None
     for knobs in variants:
@@ -425,3 +432,48 @@ def test_fold_entropy_layouts_equal_oracle(n_split):
         )
         for got, want, name in zip(out, ref, ("logp", "lse", "entropy")):
             assert_bitwise_equal(np.asarray(got), want[r : r + 1], f"{name} row {r} alone")
+
+
+@pytest.mark.parametrize("m", [1, 65, 4096], ids=lambda m: f"M{m}")
+def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
+    """pk.forward (the op core's unsharded path: the fold reads the forward's split-major partials
+    over its padded rows) == pk.fold(*pk.partials(...)) byte for byte at the Qwen3-8B head, every
+    bucket, with bias and per-row T, with and without the entropy; and linear_logp (which serves
+    through pk.forward) gives those bytes, in both weight layouts."""
+    import detlogp_jax as dl
+
+    w, k_dv, b_full = _qwen_head()
+    rng = np.random.default_rng(300 + m)
+    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
+    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
+    if m > 3:
+        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, QWEN_VOCAB + 5
+    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
+    kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS)
+    for bias in (None, b_full):
+        ref = _np(_entropy_entry(h, w, bias, tj, itj), "logp", "lse", "entropy")
+        for bucket in sorted(tuning.BUCKETS):
+            for ent in (True, False):
+                got = pk.forward(h, w, bias, tj, itj, bucket=bucket, return_entropy=ent, **kw)
+                what = f"M={m} bucket={bucket} entropy={ent} bias={bias is not None}"
+                for k, x in (("logp", got[0]), ("lse", got[1])) + ((("entropy", got[3]),) if ent else ()):
+                    assert_bitwise_equal(_nan_canonical(np.asarray(x)), _nan_canonical(ref[k]), f"{k} {what}")
+        api = dl.linear_logp(
+            h, w, tj, bias=bias, temperature=temp, vocab_size=QWEN_VOCAB, backend="pallas_sm90", return_entropy=True
+        )
+        api_dv = dl.linear_logp(
+            h,
+            k_dv,
+            tj,
+            bias=bias,
+            temperature=temp,
+            vocab_size=QWEN_VOCAB,
+            backend="pallas_sm90",
+            return_entropy=True,
+            weight_layout="dv",
+        )
+        for out, lay in ((api, "vd"), (api_dv, "dv")):
+            for k in ("logp", "lse", "entropy"):
+                got = _nan_canonical(np.asarray(getattr(out, k)))
+                assert_bitwise_equal(got, _nan_canonical(ref[k]), f"linear_logp {k} {lay} M={m}")

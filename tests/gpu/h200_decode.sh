@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Decode-size forward on the H200 (nvidia-h200; issue 16's M=1 bar, issue 18 item 3) and the main job.
+# Stages (DECODE_STAGES, comma-separated; default all, in this order), one device call of <= ~8 min:
+#   main      bash scripts/run.sh --out_dir $OUT/main_job (the RL parity job; entropy bytes compared on
+#             pallas_sm90 since the backend declares the entropy)
+#   fold      tests/gpu/test_pallas_gpu.py -k fold_entropy (the fold with A, every layout, n_split 1..600)
+#   entropy   benchmarks.run --entropy at M = 1, 8, 64: forward with vs without the entropy, sequential
+#             medians and the interleaved-pairs ratio (entropy_paired_ratio); the bar is <= 1.02x
+#   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 8, 64, 512 (bar <= 1.03x of
+#             the GEMM alone at M <= 64)
+#   trace     benchmarks.experiments.trace_calls at M = 1: pallas_sm90 (with and without the entropy)
+#             and the GEMM alone, per-kernel device time
+#   fused     (not in the default set) tests/gpu/test_pallas_gpu.py -k fused_forward: pk.forward ==
+#             partials + fold bytes at the Qwen3-8B head, M = 1, 65, 4096, every bucket, and linear_logp
+#             (~2 min per M; FUSED_K=M4096 selects one)
+#   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
+#   probe     (not in the default set) benchmarks.experiments.probe_kernel --groups $PROBE_GROUPS
+#             (default decode7: decode kernel variants, pipeline depth, tile_k 32, two CTAs per SM,
+#             next to the GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's
+#             pieces at M = 4096)
+# Everything lands in $OUT/results.tgz (RESULTS_NAME). Run from the repo root on the device.
+set -u
+source "$(dirname "$0")/_stage.sh"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
+STAGES=",${DECODE_STAGES:-main,fold,entropy,fwd,trace},"
+if [[ $STAGES == *,fused,* ]]; then
+  TAILN=8 stage pytest_fused_forward ${FUSED_LIMIT_S:-400} python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward${FUSED_K:+ and $FUSED_K}"
+fi
+if [[ $STAGES == *,golden,* ]]; then
+  TAILN=10 stage golden_packaged 150 python3 -m detlogp_jax.golden --backend pallas_sm90
+fi
+if [[ $STAGES == *,main,* ]]; then
+  TAILN=25 stage main_job 180 bash scripts/run.sh --out_dir "$OUT/main_job"
+fi
+if [[ $STAGES == *,fold,* ]]; then
+  TAILN=6 stage pytest_fold_entropy 240 python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k fold_entropy
+fi
+if [[ $STAGES == *,entropy,* ]]; then
+  TAILN=12 stage bench_entropy_small 150 python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd --backends pallas_sm90 --entropy --ms 1,8,64 --warmup 3 --iters 15 --calls_per_sample 10 --max_seconds_per_case 8 --plot none --out "$OUT/bench_entropy_small.json"
+fi
+if [[ $STAGES == *,fwd,* ]]; then
+  TAILN=16 stage bench_fwd_small 150 python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd --backends pallas_sm90,xla,gemm --ms 1,8,64,512 --warmup 3 --iters 15 --calls_per_sample 10 --max_seconds_per_case 6 --plot none --out "$OUT/fwd_small.json"
+fi
+if [[ $STAGES == *,trace,* ]]; then
+  TRACE="python3 -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 1 --calls 20"
+  TAILN=16 stage trace_m1_pallas 60 $TRACE --backend pallas_sm90 --json "$OUT/trace_m1_pallas.json"
+  TAILN=16 stage trace_m1_pallas_entropy 60 $TRACE --backend pallas_sm90 --entropy --json "$OUT/trace_m1_pallas_entropy.json"
+  TAILN=8 stage trace_m1_gemm 60 $TRACE --backend gemm --json "$OUT/trace_m1_gemm.json"
+fi
+if [[ $STAGES == *,probe,* ]]; then
+  TAILN=40 stage probe_decode7 ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_decode7.jsonl"
+fi
+finish
