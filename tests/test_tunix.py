@@ -95,15 +95,18 @@ def test_return_logits_match_tunix():
     assert np.abs(np.asarray(lp) - np.asarray(ref_lp))[comp != PAD].max() < TOL
 
 
+@pytest.mark.parametrize("residuals", ["recompute", "logits"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_gradients_match_tunix(tied):
+def test_gradients_match_tunix(tied, residuals):
     model = make_model("qwen3", tied)
     prompt, comp = batch(seed=6)
     mask = jnp.asarray(comp != PAD, jnp.float32)
     gd, st = nnx.split(model)
 
     def ours(st):
-        lp = dt.per_token_logps(nnx.merge(gd, st), prompt, comp, pad_id=PAD, eos_id=EOS, temperature=0.7)
+        lp = dt.per_token_logps(
+            nnx.merge(gd, st), prompt, comp, pad_id=PAD, eos_id=EOS, temperature=0.7, residuals=residuals
+        )
         return jnp.sum(lp * mask)
 
     def theirs(st):
@@ -543,18 +546,25 @@ def test_grpo_loss_without_BLV_under_entropy_none():
     gd, st = nnx.split(model)
 
     found = {}
-    for mode in ("logits", "none"):
+    for mode, residuals in (("logits", "recompute"), ("none", "recompute"), ("none", "logits")):
         # a new function per mode: a traced (jit/make_jaxpr-cached) caller keeps the path it was traced with
         def step(st):
             return jax.value_and_grad(lambda st: loss_fn(nnx.merge(gd, st), example, cfg, PAD, EOS), has_aux=True)(st)
 
-        with dt.patch(entropy=mode):
+        with dt.patch(entropy=mode, residuals=residuals):
             jaxpr = jax.make_jaxpr(step)(st)
             (loss, aux), grads = jax.jit(step)(st)
-        found[mode] = (_has_blv(_float_shapes(jaxpr.jaxpr, []), b, (p + c, c, p + c - 1), BIG_V), loss, aux, grads)
+        blv = _has_blv(_float_shapes(jaxpr.jaxpr, []), b, (p + c, c, p + c - 1), BIG_V)
+        found[mode if residuals == "recompute" else "kept"] = (blv, loss, aux, grads)
     assert found["logits"][0] is not None  # the op's logits handed to Tunix's entropy metric
     assert found["none"][0] is None, found["none"][0]
+    # residuals="logits": the op's forward keeps its FP32 logits for the backward (three GEMM passes)
+    assert found["kept"][0] is not None
     assert_bitwise_equal(found["none"][1], found["logits"][1], "loss")
+    assert_bitwise_equal(found["kept"][1], found["none"][1], "loss with the logits kept")
     assert np.isnan(float(found["none"][2]["entropy"])) and np.isfinite(float(found["logits"][2]["entropy"]))
-    for a, g in zip(jax.tree.leaves(found["none"][3]), jax.tree.leaves(found["logits"][3])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(g), rtol=1e-5, atol=1e-7)
+    for key in ("none", "kept"):
+        for a, g in zip(jax.tree.leaves(found[key][3]), jax.tree.leaves(found["logits"][3])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(g), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="residuals"):
+        dt.patch(residuals="sometimes")

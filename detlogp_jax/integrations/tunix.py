@@ -55,6 +55,7 @@ from flax import nnx
 from detlogp_jax import api
 from detlogp_jax import contract as C
 from detlogp_jax import fingerprint as fp_lib
+from detlogp_jax import inputs
 
 __all__ = [
     "ADAPTERS",
@@ -263,6 +264,11 @@ class OpOptions:
     size > 1 for the vocabulary dimension (mesh: the argument, else the ambient ``with mesh:``
     or `jax.sharding.set_mesh` mesh); a name forces that axis; None never shards. row_axes:
     linear_logp_tp's sharding of the token rows (PartitionSpec entries for [B, L]).
+    residuals: what the op's forward keeps for its backward (`linear_logp(residuals=...)`):
+    "recompute" (default: O(N*D + V*D) memory, the backward recomputes the logits chunk by
+    chunk: four GEMM passes per training step) or "logits" (the forward also keeps its FP32
+    logits [N, V], so the backward is one elementwise pass and two GEMMs: three passes, as
+    Tunix's own path with its bf16 logits). The logp bytes do not depend on it.
     """
 
     backend: str = "auto"
@@ -271,6 +277,10 @@ class OpOptions:
     mesh: Any = None
     tp_axis: str | None = "auto"
     row_axes: tuple = ()
+    residuals: str = "recompute"
+
+    def __post_init__(self):
+        inputs.check_residuals(self.residuals)
 
 
 def _options(opts: OpOptions | None, kw: dict) -> OpOptions:
@@ -362,6 +372,8 @@ def _op(head: _Head, hidden, targets, opts: OpOptions, *, temperature, return_lo
         checked=opts.checked,
         weight_layout=head.layout,
     )
+    if opts.residuals != "recompute":  # (the default is left out: an older op has no residuals keyword)
+        kw["residuals"] = opts.residuals
     plan = _tp_plan(head, opts)
     if plan is not None:
         from sharding import linear_logp_tp
@@ -443,7 +455,7 @@ def per_token_logps(
     materialized: only a caller that asks gets them), (logp, entropy [B, C]) with
     `return_entropy` (when the op supports it; NotImplementedError until then), or
     (logp, logits, entropy) with both. Op options (`backend`, `padded_vocab_size`, `mesh`,
-    `tp_axis`, `row_axes`, `checked`) go as keywords or `opts=OpOptions(...)`.
+    `tp_axis`, `row_axes`, `checked`, `residuals`) go as keywords or `opts=OpOptions(...)`.
     """
     from tunix.rl import common
 
@@ -923,6 +935,7 @@ def patch(
     entropy: str = "logits",
     sampler: bool = True,
     allow_unverified_version: bool = False,
+    residuals: str = "recompute",
 ):
     """Routes Tunix's logprob computations through `linear_logp`; returns a handle that is
     also a context manager (``with patch(): ...`` unpatches on exit).
@@ -943,6 +956,10 @@ def patch(
       sampling temperature for top_p, unscaled for greedy, as Tunix records them) and a
       `RolloutRecord` with the head's fingerprint.
 
+    The op options (backend, padded_vocab_size, checked, mesh, tp_axis, row_axes, residuals)
+    are `OpOptions`'; residuals="logits" gives the training step's backward three GEMM passes
+    instead of four, for O(N * V) FP32 logits kept from the forward.
+
     Patch before the first call of whatever jits a Tunix step (a learner's train step, a
     sampler): a function JAX has already traced keeps the path it was traced with (Tunix's before
     patch(), the op's after, until it retraces), as with any Python-level switch under jit.
@@ -960,6 +977,7 @@ def patch(
         mesh=mesh,
         tp_axis=tp_axis,
         row_axes=tuple(row_axes),
+        residuals=residuals,
     )
     config = _PatchConfig(opts, entropy, bool(sampler))
     with _LOCK:

@@ -20,6 +20,8 @@ Cases (each in its own subprocess, so `memory_stats()["peak_bytes_in_use"]` is t
   `per_token_logps` (stop_gradient) / its value_and_grad over all parameters, "tunix" is
   `tunix.rl.common.compute_per_token_logps` (stop_gradient=True) / its value_and_grad
   (stop_gradient=False). dv = the untied [D, V] kernel (Qwen3-8B), vd = tied [V, D] table.
+  "ourslogits" (bwd only): ours with residuals="logits" (the op keeps its FP32 logits for the
+  backward: three GEMM passes, as Tunix's path, instead of four).
   Timing: benchmarks.timing.compile_case + time_case (device-synchronized wall clock, median of
   the samples after warmup); memory: the process's peak_bytes_in_use after the timed calls and
   XLA's memory_analysis of the executable.
@@ -63,7 +65,7 @@ if os.environ.get("TUNIX_H200_SMALL") == "1":  # a CPU dry run of the script's p
 BACKEND = os.environ.get("TUNIX_H200_BACKEND", "auto")
 HEAD_CASES = [
     f"head-{lay}-{impl}-{mode}" for lay in ("dv", "vd") for impl in ("ours", "tunix") for mode in ("fwd", "bwd")
-]
+] + [f"head-{lay}-ourslogits-bwd" for lay in ("dv", "vd")]
 ALL_CASES = ["grpo-tied", "grpo-untied", *HEAD_CASES, "diff-dv", "diff-vd"]
 
 
@@ -169,9 +171,18 @@ def _head_fns(model, impl: str, mode: str, prompt, comp):
     mask = jnp.asarray(comp != 0, jnp.float32)
 
     def logps(st, p, c, stop):
-        if impl == "ours":
+        if impl in ("ours", "ourslogits"):
+            residuals = "logits" if impl == "ourslogits" else "recompute"
             return dt.per_token_logps(
-                nnx.merge(gd, st), p, c, pad_id=0, eos_id=2, temperature=0.7, stop_gradient=stop, backend=BACKEND
+                nnx.merge(gd, st),
+                p,
+                c,
+                pad_id=0,
+                eos_id=2,
+                temperature=0.7,
+                stop_gradient=stop,
+                backend=BACKEND,
+                residuals=residuals,
             )
         return common.compute_per_token_logps(gd, st, p, c, 0, 2, stop_gradient=stop, temperature=0.7)
 
@@ -206,7 +217,7 @@ def case_head(layout: str, impl: str, mode: str) -> dict:
         "compiled_memory": timing.compiled_memory(compiled),
         "param_bytes": timing.tree_nbytes(args[0]),
     }
-    if impl == "ours":
+    if impl != "tunix":
         out["provenance"] = _provenance(model)[0]
     del jax
     return out
