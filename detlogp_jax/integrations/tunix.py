@@ -52,10 +52,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from detlogp_jax import api
+from detlogp_jax import api, inputs
 from detlogp_jax import contract as C
 from detlogp_jax import fingerprint as fp_lib
-from detlogp_jax import inputs
 
 __all__ = [
     "ADAPTERS",
