@@ -2,8 +2,9 @@
 
 `partials` (the per-split partials, for the fold and for tensor parallelism) and
 `forward` (partials and fold of an unsharded head in one call, no re-layout
-between the two kernels) share one launch (`_launch`). It checks the operands, picks the launch config (`tuning.select_bucket`:
-an M bucket, or a forced bucket / config), pads the rows (and the weight rows
+between the two kernels) share one launch (`_launch`). It checks the operands,
+picks the launch config (`tuning.select_bucket`: an M bucket, or a forced
+bucket / config), pads the rows (and the weight rows
 of a [V, D] weight to a multiple of 8, the bias to whole tile groups; a [D, V]
 weight, `weight_layout="dv"`, is read in place, never copied), launches the kernel the
 config's type names (`tuning.WgmmaForwardConfig` -> `sm90_forward_wgmma`,
