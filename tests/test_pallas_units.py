@@ -770,3 +770,33 @@ def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
     with pytest.warns(UserWarning, match="auto falls back"):
         got, fallback = backends.resolve("auto", h, odd, "dv")
     assert got.name == "reference" and fallback
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
+def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entropy):
+    """linear_logp on pallas_sm90, lowered for CUDA: the two kernels (forward, fold) with no
+    transpose of the split partials between them and only the three row pads (hidden, targets,
+    inv_t) -- the fused forward (`Backend.fused_forward`); the partials + fold route it replaced
+    transposes and pads the partials again (the positive control)."""
+    import detlogp_jax as dl
+    from detlogp_jax import backends
+
+    fake = dataclasses.replace(backends.get("pallas_sm90"), available=lambda: True)
+    h = jax.ShapeDtypeStruct((1, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def ops(be):
+        monkeypatch.setitem(backends._LOADED, "pallas_sm90", be)
+        jax.clear_caches()
+
+        def f(h, w, t):
+            o = dl.linear_logp(h, w, t, vocab_size=500, backend="pallas_sm90", return_entropy=entropy)
+            return o.logp, o.lse, o.entropy
+
+        text = jax.jit(f).trace(h, w, t).lower(lowering_platforms=("cuda",)).as_text()
+        return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("custom_call", "transpose", "pad")}
+
+    assert ops(fake) == {"custom_call": 2, "transpose": 0, "pad": 3}
+    unfused = ops(dataclasses.replace(fake, fused_forward=None))
+    assert unfused["custom_call"] == 2 and unfused["transpose"] > 0 and unfused["pad"] > 3, unfused
