@@ -40,7 +40,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -472,6 +472,28 @@ def main(argv):
         p.generic(
             "residual7", "gemm (forward)", m, jax.jit(lambda h, w: baselines.gemm(h, w)), [(a[0], w) for a in arg_sets]
         )
+
+    if "chunk7" in groups:
+        # The recompute backward's vocab chunk (issue 18 item 4: temp memory at M=4096 within 1.1x
+        # of hidden + weight + gradients; 336 MB = 1.13x at the default 8192): time and compiled
+        # temp bytes of grad.backward with the fused dz kernel (as linear_logp runs it) per chunk.
+        from detlogp_jax import backends
+
+        m = 4096
+        arg_sets, lse, ones = bwd_setup(m)
+        dz_kernel = backends.get("pallas_sm90").dz
+        for chunk in (4096, 8192, 16384):
+            f = jax.jit(
+                lambda h, w, t, c=chunk: grad.backward(
+                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, chunk=c, dz=dz_kernel
+                )
+            )
+            try:
+                mem = f.lower(*arg_sets[0]).compile().memory_analysis()
+                temp_mb = getattr(mem, "temp_size_in_bytes", 0) / 2**20
+            except Exception as e:  # keep timing without the figure
+                temp_mb = f"{type(e).__name__}: {e}"[:200]
+            p.generic("chunk7", f"fused dz chunk{chunk} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
 
     if "backward" in groups:
         m = 4096
