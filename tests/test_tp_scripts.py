@@ -106,9 +106,10 @@ def test_tp_multi_dry_run_bytes_every_mesh(dry_runs):
     assert doc["pass"] and doc["complete"], doc["skipped"]
     fwd = [r for r in doc["rows"] if r["kind"] == "fwd"]
     assert {r["config"] for r in fwd} == {"tp1", "tp2", "tp4", "tp8", "tp2xdp2", "tp4xdp2"}
+    assert doc["entropy"] is True  # the reference backend declares it: every forward compares its bytes too
     for r in fwd:
         assert r["status"] == "ok", r
-        assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0, r
+        assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0 and r["entropy_rows_differ"] == 0, r
         assert r["max_abs_diff"] == 0.0 and r["backend"] == "reference" and not r["fallback"], r
         assert r["ms"]["median"] > 0 and r["efficiency"] > 0, r
     assert [r["kind"] for r in doc["rows"]].count("ref") == 1  # the single-device reference, computed once

@@ -10,7 +10,8 @@
 # Stages:
 #   tp  tests/gpu/tp_multi.py --mode all: Qwen3-8B and Llama-3-8B lm_heads, [V, D] and [D, V] (dv only where
 #       pallas_sm90 reads it), M = 1, 64, 4096, 16384, targets at the shard edges, strict mode:
-#       logp/lse bytes of every mesh vs one GPU; time per call and scaling efficiency TP1 / (devices x TPk);
+#       logp/lse and entropy bytes of every mesh vs one GPU (the forwards return the entropy: TPM_ENTROPY=off
+#       times logp/lse alone); time per call and scaling efficiency TP1 / (devices x TPk);
 #       the pieces of one TP call at M=4096 (local partials, all_gather, fold) and a profiler trace;
 #       gradients at M=4096 vs one GPU (rel. Frobenius < 1e-2, bf16) and run to run, fwd+bwd time.
 #   mp  tests/gpu/tp_multiprocess.py --n <GPUs>: one JAX process per GPU, TP over processes vs one process,

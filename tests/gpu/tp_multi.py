@@ -15,7 +15,10 @@ of two up to the device count) and TP x DP meshes (2x2, 4x2 where they fit; rows
 "dp"). Targets include every TP-8 shard edge, 0, the last real id and -100. Strict mode is on.
 
 Modes (`--mode`, comma-separated or `all`):
-  bytes  logp/lse bytes of every mesh vs one device (rows differing, max_abs_diff);
+  bytes  logp/lse bytes of every mesh vs one device (rows differing, max_abs_diff), and the entropy's
+         (`linear-logp-entropy-v1`) with --entropy (default: where the backend declares it; every
+         forward then returns it, on one device and on the meshes, so the times include it:
+         --entropy off times logp/lse alone);
   speed  time per call of the pure-TP meshes next to TP=1 (the single-device call), the scaling
          efficiency TP1_ms / (devices x TPk_ms); the pieces of one TP call at --pieces_m (local
          partials, all_gather of the partials, fold, each timed alone; optional profiler trace);
@@ -195,6 +198,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--backend", default=_env("TPM_BACKEND", "pallas_sm90"))
+    p.add_argument(
+        "--entropy",
+        default=_env("TPM_ENTROPY", "auto"),
+        choices=("auto", "on", "off"),
+        help="forwards also return the entropy and its bytes are compared (auto: if the backend declares it)",
+    )
     p.add_argument("--budget_s", type=float, default=float(_env("TPM_BUDGET_S", "480")), help="all phases together")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -375,10 +384,14 @@ class Suite:
         self.cfgs = mesh_configs(args, len(self.devs))
         self.ok = True
         self.meshes = {c: self._mesh(c) for c in self.cfgs}
-        self.ref_fwd = {}  # (shape, layout, m) -> (logp, lse, ms stats | None)
+        self.ref_fwd = {}  # (shape, layout, m) -> (logp, lse, ms stats | None, entropy | None)
         self.fwd_ms = {}  # (shape, layout, m, label) -> ms stats
         self.keep = {}  # compiled TP forwards kept for the pieces phase / trace: label -> (compiled, args)
         self._w_host = {}
+        from detlogp_jax import backends
+
+        self.entropy = args.entropy == "on" or (args.entropy == "auto" and backends.get(args.backend).entropy)
+        self.run.doc["entropy"] = bool(self.entropy)
 
     # -- meshes and placement
     def _mesh(self, c: MeshCfg):
@@ -427,7 +440,7 @@ class Suite:
 
         a = self.args
         return jax.jit(
-            lambda h, w, t: tuple(
+            lambda h, w, t: self._outputs(
                 dl.linear_logp(
                     h,
                     w,
@@ -436,9 +449,17 @@ class Suite:
                     padded_vocab_size=shape.v_rows,
                     backend=a.backend,
                     weight_layout=layout,
-                )[:2]
+                    **self._entropy_kw(),
+                )
             )
         )
+
+    def _entropy_kw(self):
+        return {"return_entropy": True} if self.entropy else {}
+
+    def _outputs(self, o):
+        """(logp, lse) of a forward, and its entropy with --entropy."""
+        return (o.logp, o.lse, o.entropy) if self.entropy else (o.logp, o.lse)
 
     def _tp_call(self, c, shape, layout):
         from sharding import linear_logp_tp
@@ -455,13 +476,14 @@ class Suite:
             padded_vocab_size=shape.v_rows,
             backend=a.backend,
             weight_layout=layout,
+            **self._entropy_kw(),
         )
 
     def f_tp(self, c, shape, layout):
         import jax
 
         call = self._tp_call(c, shape, layout)
-        return jax.jit(lambda h, w, t: tuple(call(h, w, t)[:2]))
+        return jax.jit(lambda h, w, t: self._outputs(call(h, w, t)))
 
     @staticmethod
     def _vg(call):
@@ -571,17 +593,17 @@ class Suite:
             self.run.add(row)
             log(f"  single device FAILED: {row['error']}")
             return None
-        lp, lse = jax.device_get(compiled(*args))
-        lp, lse = np.asarray(lp), np.asarray(lse)
+        out = [np.asarray(x) for x in jax.device_get(compiled(*args))]
+        lp, lse, ent = out[0], out[1], (out[2] if self.entropy else None)
         row.update(backend=prov and prov.backend, fallback=prov and prov.fallback, status="ok")
         row["ms"] = self.time(compiled, args, m) if speed else None
         other = self.ref_fwd.get((shape.name, "vd" if layout == "dv" else "dv", m))
         if other is not None:  # the two layouts' single-device bytes (informational)
             row["rows_differ_other_layout"] = rows_differ(lp, other[0]) + rows_differ(lse, other[1])
-        self.ref_fwd[(shape.name, layout, m)] = (lp, lse, row["ms"])
+        self.ref_fwd[(shape.name, layout, m)] = (lp, lse, row["ms"], ent)
         self.run.add(row)
         log(f"  single device: backend {row['backend']} compile {cs:.1f}s" + _fmt_ms(row["ms"]))
-        return lp, lse, row["ms"]
+        return lp, lse, row["ms"], ent
 
     def _fwd_row(self, shape, layout, m, c, comp, args, ref, speed):
         import jax
@@ -592,8 +614,8 @@ class Suite:
         try:
             if isinstance(compiled, Exception):
                 raise compiled
-            lp, lse = jax.device_get(compiled(*args))
-            lp, lse = np.asarray(lp), np.asarray(lse)
+            out = [np.asarray(x) for x in jax.device_get(compiled(*args))]
+            lp, lse = out[0], out[1]
             row.update(
                 backend=prov and prov.backend,
                 fallback=prov and prov.fallback,
@@ -603,7 +625,10 @@ class Suite:
                 lse_max_abs_diff=max_abs_diff(lse, ref[1]),
                 status="ok",
             )
-            if row["logp_rows_differ"] or row["lse_rows_differ"]:
+            if self.entropy:
+                row["entropy_rows_differ"] = rows_differ(out[2], ref[3])
+                row["entropy_max_abs_diff"] = max_abs_diff(out[2], ref[3])
+            if row["logp_rows_differ"] or row["lse_rows_differ"] or row.get("entropy_rows_differ"):
                 self.ok = False
             if speed:
                 row["ms"] = self.time(compiled, args, m)
@@ -620,7 +645,8 @@ class Suite:
         if row["status"] == "ok":
             log(
                 f"  {c.label:10s} logp rows differing {row['logp_rows_differ']} lse {row['lse_rows_differ']} "
-                f"max_abs_diff {row['max_abs_diff']:.3g} compile {cs:.1f}s"
+                + (f"entropy {row['entropy_rows_differ']} " if "entropy_rows_differ" in row else "")
+                + f"max_abs_diff {row['max_abs_diff']:.3g} compile {cs:.1f}s"
                 + _fmt_ms(row.get("ms"))
                 + (f" eff {row['efficiency']:.2f}" if row.get("efficiency") else "")
             )
@@ -954,19 +980,28 @@ def _cell(ms):
 def print_tables(doc):
     rows = doc["rows"]
     fwd = [r for r in rows if r["kind"] == "fwd"]
-    log("\n== forward: linear_logp_tp vs one device (logp/lse rows differing; ms per call; efficiency)")
+    ent = doc.get("entropy", False)
     log(
-        "| shape | layout | mesh | M | logp rows differing | lse rows differing | max_abs_diff | TP=1 ms | ms | efficiency |"
+        "\n== forward: linear_logp_tp vs one device (logp/lse"
+        + ("/entropy" if ent else "")
+        + " rows differing; ms per call"
+        + (", with the entropy" if ent else "")
+        + "; efficiency)"
     )
-    log("|---|---|---|---|---|---|---|---|---|---|")
+    log(
+        "| shape | layout | mesh | M | logp rows differing | lse rows differing | entropy rows differing | max_abs_diff "
+        "| TP=1 ms | ms | efficiency |"
+    )
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in fwd:
         if r["status"] != "ok":
-            log(f"| {r['shape']} | {r['layout']} | {r['config']} | {r['m']} | ERROR | | | | | |")
+            log(f"| {r['shape']} | {r['layout']} | {r['config']} | {r['m']} | ERROR | | | | | | |")
             continue
         eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "-"
         log(
             f"| {r['shape']} | {r['layout']} | {r['config']} | {r['m']} | {r['logp_rows_differ']} | "
-            f"{r['lse_rows_differ']} | {r['max_abs_diff']:.3g} | {_cell(r.get('tp1_ms'))} | {_cell(r.get('ms'))} | {eff} |"
+            f"{r['lse_rows_differ']} | {r.get('entropy_rows_differ', '-')} | {r['max_abs_diff']:.3g} | "
+            f"{_cell(r.get('tp1_ms'))} | {_cell(r.get('ms'))} | {eff} |"
         )
     pcs = [r for r in rows if r["kind"] == "pieces" and r["status"] == "ok"]
     if pcs:
@@ -1011,7 +1046,11 @@ def print_tables(doc):
         for s in doc["skipped"][:12]:
             log(f"  {s['what']}: {s['why']}")
     errors = [r for r in rows if r.get("status") == "error"]
-    differ = [r for r in fwd if r["status"] == "ok" and (r["logp_rows_differ"] or r["lse_rows_differ"])]
+    differ = [
+        r
+        for r in fwd
+        if r["status"] == "ok" and (r["logp_rows_differ"] or r["lse_rows_differ"] or r.get("entropy_rows_differ"))
+    ]
     bad_g = [r for r in bwd if r["status"] == "ok" and not r["within_tol"]]
     verdict = "PASS" if not (errors or differ or bad_g) else "FAIL"
     log(
