@@ -141,8 +141,10 @@ def test_multiprocess_dry_run_two_processes(dry_runs):
     doc = _get(dry_runs, "tp_multiprocess")
     assert doc["pass"] and doc["n_processes"] == 2 and doc["platform"] == "cpu"
     assert {(r["layout"], r["m"]) for r in doc["rows"]} == {("vd", 64), ("dv", 64)}
+    assert doc["entropy"] is True  # the reference backend declares it: the entropy's bytes are compared too
     for r in doc["rows"]:
         assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0 and r["shard_list_rows_differ"] == 0, r
+        assert r["entropy_rows_differ"] == 0, r
         assert r["backend"] == "reference" and len(r["ms_all_processes"]) == 2
     assert sorted(rep["rank"] for rep in doc["reports"]) == [0, 1]
 

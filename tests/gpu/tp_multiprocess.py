@@ -17,8 +17,9 @@ The launcher (this file without --role) never initialises JAX itself. It
    jitted on the assembled global weight, timed with a fixed number of calls (every process runs
    the same calls: the collectives keep them in step), and at the first M also eagerly with the
    shard list itself.
-   Every worker compares its logp/lse bytes with the saved single-process result; process 0
-   prints its report;
+   Every worker compares its logp/lse bytes (and the entropy's, with --entropy: by default where
+   the backend declares it; both sides then return it) with the saved single-process result;
+   process 0 prints its report;
 3. collects the workers' reports, prints a table and writes --out (default
    $OUT/tp_multiprocess.json). Exit 0 when every process on every (layout, M) has 0 rows
    differing. --timeout_s bounds the reference and the workers together.
@@ -72,6 +73,12 @@ def parse_args(argv=None):
     p.add_argument("--m", default="1,64,4096")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--backend", default="pallas_sm90")
+    p.add_argument(
+        "--entropy",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="also compare the entropy's bytes (auto: if the backend declares it); the times then include it",
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -132,6 +139,16 @@ def _timed(fn, iters, warmup, calls):
     return T.ms_stats(ts)
 
 
+def _entropy_on(a) -> bool:
+    from detlogp_jax import backends
+
+    return a.entropy == "on" or (a.entropy == "auto" and backends.get(a.backend).entropy)
+
+
+def _outputs(o, entropy: bool):
+    return (o.logp, o.lse, o.entropy) if entropy else (o.logp, o.lse)
+
+
 def _layouts(a):
     from detlogp_jax import backends
 
@@ -153,10 +170,13 @@ def role_ref(a):
     res = {"device": dev.device_kind, "platform": dev.platform, "n_local_devices": len(jax.devices()), "rows": []}
     res["skipped_layouts"] = missing
     w_vd = jax.device_put(T.weight_rows(shape, 0, T.N_BLOCKS, a.dtype, a.seed), dev)
+    ent = _entropy_on(a)
+    res["entropy"] = bool(ent)
+    ekw = {"return_entropy": True} if ent else {}
     for layout in layouts:
         w = w_vd if layout == "vd" else jax.jit(lambda x: x.T)(w_vd)
         f = jax.jit(
-            lambda h, w, t: tuple(
+            lambda h, w, t: _outputs(
                 dl.linear_logp(
                     h,
                     w,
@@ -165,17 +185,20 @@ def role_ref(a):
                     padded_vocab_size=shape.v_rows,
                     backend=a.backend,
                     weight_layout=layout,
-                )[:2]
+                    **ekw,
+                ),
+                ent,
             )
         )
         for m in a.ms:
             h = jax.device_put(T.hidden_host(shape, m, a.dtype, a.seed), dev)
             t = jax.device_put(T.targets_host(shape, m, a.seed), dev)
             with dl.strict_mode():
-                lp, lse = jax.device_get(f(h, w, t))
+                out = [np.asarray(x) for x in jax.device_get(f(h, w, t))]
                 prov = dl.last_provenance()
                 ms = _timed(lambda: f(h, w, t), a.iters, a.warmup, 10 if m <= 512 else 1)
-            np.savez(os.path.join(a.workdir, f"ref_{layout}_{m}.npz"), logp=np.asarray(lp), lse=np.asarray(lse))
+            arrays = dict(logp=out[0], lse=out[1], **({"entropy": out[2]} if ent else {}))
+            np.savez(os.path.join(a.workdir, f"ref_{layout}_{m}.npz"), **arrays)
             res["rows"].append(dict(layout=layout, m=m, ms=ms, backend=prov and prov.backend))
             log(f"ref {layout} M={m}: {ms['median']:.3f} ms (backend {prov and prov.backend})")
     with open(os.path.join(a.workdir, "ref.json"), "w") as fh:
@@ -227,6 +250,7 @@ def role_worker(a):
             v_axis = 0 if layout == "vd" else 1
             w_global = assemble_shards(shards, mesh, "tp", axis=v_axis)
             gen_s = time.perf_counter() - t0
+            ent = _entropy_on(a)
             kw = dict(
                 mesh=mesh,
                 tp_axis="tp",
@@ -234,8 +258,9 @@ def role_worker(a):
                 padded_vocab_size=shape.v_rows,
                 backend=a.backend,
                 weight_layout=layout,
+                **({"return_entropy": True} if ent else {}),
             )
-            f = jax.jit(lambda h, w, t: tuple(linear_logp_tp(h, w, t, **kw)[:2]))
+            f = jax.jit(lambda h, w, t: _outputs(linear_logp_tp(h, w, t, **kw), ent))
             for m in a.ms:
                 ref = np.load(os.path.join(a.workdir, f"ref_{layout}_{m}.npz"))
                 h = replicated(T.hidden_host(shape, m, a.dtype, a.seed))
@@ -247,9 +272,9 @@ def role_worker(a):
                         shard_list = T.rows_differ(lp_e, ref["logp"]) + T.rows_differ(lse_e, ref["lse"])
                     else:
                         shard_list = 0
-                    lp, lse = f(h, w_global, t)
+                    out = [np.asarray(x.addressable_data(0)) for x in f(h, w_global, t)]
                     prov = dl.last_provenance()
-                    lp, lse = np.asarray(lp.addressable_data(0)), np.asarray(lse.addressable_data(0))
+                    lp, lse = out[0], out[1]
                     ms = _timed(lambda: f(h, w_global, t), a.iters, a.warmup, 10 if m <= 512 else 1)
                 row = dict(
                     layout=layout,
@@ -258,6 +283,7 @@ def role_worker(a):
                     lse_rows_differ=T.rows_differ(lse, ref["lse"]),
                     shard_list_rows_differ=shard_list if m == a.ms[0] else None,
                     max_abs_diff=T.max_abs_diff(lp, ref["logp"]),
+                    entropy_rows_differ=T.rows_differ(out[2], ref["entropy"]) if ent else None,
                     ms=ms,
                     weight_shard_s=round(gen_s, 2),
                     backend=prov and prov.backend,
@@ -266,7 +292,8 @@ def role_worker(a):
                 if a.pid == 0:
                     log(
                         f"process 0/{a.n} {layout} M={m}: logp rows differing {row['logp_rows_differ']}, lse "
-                        f"{row['lse_rows_differ']}, shard-list call {_na(row['shard_list_rows_differ'])}; "
+                        f"{row['lse_rows_differ']}, entropy {_na(row['entropy_rows_differ'])}, shard-list call "
+                        f"{_na(row['shard_list_rows_differ'])}; "
                         f"{ms['median']:.3f} ms per call"
                     )
         res["ok"] = True
@@ -334,6 +361,8 @@ def launcher(a):
         a.dtype,
         "--backend",
         a.backend,
+        "--entropy",
+        a.entropy,
         "--iters",
         str(a.iters),
         "--warmup",
@@ -372,6 +401,7 @@ def launcher(a):
         return _finish(a, doc, t0, False)
     ref = json.load(open(os.path.join(work, "ref.json")))
     doc["device"] = ref["device"]
+    doc["entropy"] = ref.get("entropy", False)
     doc["skipped_layouts"] = ref["skipped_layouts"]
     for lay in ref["skipped_layouts"]:
         log(f"NOTE: backend {a.backend} does not read layout {lay!r} here: skipped")
@@ -412,7 +442,7 @@ def launcher(a):
     if all(r.get("ok") for r in reports):
         for i, row0 in enumerate(reports[0]["rows"]):
             per = [r["rows"][i] for r in reports]
-            keys = ("logp_rows_differ", "lse_rows_differ", "shard_list_rows_differ")
+            keys = ("logp_rows_differ", "lse_rows_differ", "entropy_rows_differ", "shard_list_rows_differ")
             row = dict(layout=row0["layout"], m=row0["m"], tp=n, processes=n)
             row.update({k: None if per[0][k] is None else max(p[k] for p in per) for k in keys})
             row["max_abs_diff"] = max(p["max_abs_diff"] for p in per)
@@ -437,14 +467,16 @@ def _finish(a, doc, t0, ok):
     doc["pass"] = bool(ok)
     log(f"\n== TP over {doc['n_processes']} processes vs one process, one device ({doc.get('device', '?')})")
     log(
-        "| layout | M | processes | logp rows differing | lse rows differing | shard-list call | TP=1 ms | ms | efficiency |"
+        "| layout | M | processes | logp rows differing | lse rows differing | entropy rows differing | shard-list call "
+        "| TP=1 ms | ms | efficiency |"
     )
-    log("|---|---|---|---|---|---|---|---|---|")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["rows"]:
         eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "-"
         log(
             f"| {r['layout']} | {r['m']} | {r['processes']} | {r['logp_rows_differ']} | {r['lse_rows_differ']} | "
-            f"{_na(r['shard_list_rows_differ'])} | {T._cell(r['tp1_ms'])} | {T._cell(r['ms'])} | {eff} |"
+            f"{_na(r.get('entropy_rows_differ'))} | {_na(r['shard_list_rows_differ'])} | {T._cell(r['tp1_ms'])} | "
+            f"{T._cell(r['ms'])} | {eff} |"
         )
     if doc.get("error"):
         log(f"error: {doc['error']}")
