@@ -23,7 +23,8 @@ Modes (`--mode`, comma-separated or `all`):
          efficiency TP1_ms / (devices x TPk_ms); the pieces of one TP call at --pieces_m (local
          partials, all_gather of the partials, fold, each timed alone; optional profiler trace);
          forward+backward time at --grad_m;
-  grad   d hidden, d weight of sum(g_lp * logp + g_lse * lse) under every mesh vs one device
+  grad   d hidden, d weight of sum(g_lp * logp + g_lse * lse) (+ 0.01 sum(g_lse * entropy) with
+         --entropy) under every mesh vs one device
          (documented tolerance: relative Frobenius error < 1e-2 for bf16 operands, max abs
          error <= 1e-5 * max(1, scale) for f32) and run-to-run bitwise identical.
 
@@ -492,7 +493,10 @@ class Suite:
 
         def loss(h, w, t, g_lp, g_lse):
             o = call(h, w, t)
-            return jnp.sum(o.logp * g_lp) + jnp.sum(o.lse * g_lse)
+            out = jnp.sum(o.logp * g_lp) + jnp.sum(o.lse * g_lse)
+            if getattr(o, "entropy", None) is not None:  # with --entropy: an entropy bonus term too
+                out = out + 0.01 * jnp.sum(o.entropy * g_lse)
+            return out
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
@@ -509,6 +513,7 @@ class Suite:
                 padded_vocab_size=shape.v_rows,
                 backend=a.backend,
                 weight_layout=layout,
+                **self._entropy_kw(),
             )
         )
 
