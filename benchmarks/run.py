@@ -435,7 +435,8 @@ def run(cfg: RunConfig) -> dict:
                 r, case_rows = CaseResult(label, m, "skipped", note=why), {}
             else:
                 try:
-                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes, entropy, keep=kept)
+                    keep = kept if cfg.entropy else None  # only an entropy run times pairs
+                    r, case_rows = run_case(cfg, backend, m, weight, inputs, probes, entropy, keep=keep)
                     base = kept.get(backend) if entropy else None
                     if r.status == "ok" and base is not None:
                         ratios = timing.paired_ratios(

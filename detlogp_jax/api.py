@@ -71,12 +71,11 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config, keep_logits: bool
     """(logp, lse, logits | None, entropy | None) of the backend named by `cfg`.
 
     keep_logits (contract backends; the residual mode's forward): the logits come back
-    even without `cfg.return_logits`, from the same `partials` call (its logp/lse bytes
+    even without `cfg.return_logits`, from the same forward launch (its logp/lse bytes
     do not depend on return_logits), as [N, V_rows] (all the weight's rows: the backward
     slices its chunks in place); with `cfg.return_logits` they are the returned
     [N, vocab_size] array itself, never a second copy."""
     be = backends.get(cfg.backend)
-    kw = be.tuning_kwargs(cfg.tuning)
     entropy = None
     if be.contract_bearing:
         # logits_cols: the backend writes the real vocabulary's columns only, so the
@@ -88,11 +87,10 @@ def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config, keep_logits: bool
             logits_cols=cfg.vocab_size if cfg.return_logits else None,
             **cfg.layout_kwargs(),
             **cfg.entropy_kwargs(),
-            **kw,
+            **be.tuning_kwargs(cfg.tuning),
         )
-        if be.fused_forward is not None:  # the same bytes as the partials + fold below, in one call
-            logp, lse, logits, entropy = be.fused_forward(hidden, weight, bias, targets, inv_t, **kw)
-            return logp, lse, logits, (entropy if cfg.return_entropy else None)
+        if be.fused_forward is not None:  # the bytes of the partials + fold below, in one call
+            return be.fused_forward(hidden, weight, bias, targets, inv_t, **kw)
         parts = be.partials(hidden, weight, bias, targets, inv_t, **kw)
         m, s, z_t, owned, logits = parts[:5]
         if cfg.return_entropy:

@@ -370,9 +370,8 @@ def _op(head: _Head, hidden, targets, opts: OpOptions, *, temperature, return_lo
         backend=opts.backend,
         checked=opts.checked,
         weight_layout=head.layout,
+        residuals=opts.residuals,
     )
-    if opts.residuals != "recompute":  # (the default is left out: an older op has no residuals keyword)
-        kw["residuals"] = opts.residuals
     plan = _tp_plan(head, opts)
     if plan is not None:
         from sharding import linear_logp_tp

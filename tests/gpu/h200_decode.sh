@@ -48,6 +48,6 @@ if [[ $STAGES == *,trace,* ]]; then
   TAILN=8 stage trace_m1_gemm 60 $TRACE --backend gemm --json "$OUT/trace_m1_gemm.json"
 fi
 if [[ $STAGES == *,probe,* ]]; then
-  TAILN=40 stage probe_decode7 ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_decode7.jsonl"
+  TAILN=40 stage "probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _)" ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _).jsonl"
 fi
 finish

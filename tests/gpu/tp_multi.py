@@ -258,6 +258,18 @@ def mesh_configs(args, n_dev: int) -> list[MeshCfg]:
     return cfgs
 
 
+def entropy_on(choice: str, backend: str) -> bool:
+    """--entropy: "on", "off", or "auto" (on where the backend declares the entropy)."""
+    from detlogp_jax import backends
+
+    return choice == "on" or (choice == "auto" and backends.get(backend).entropy)
+
+
+def outputs(o, entropy: bool) -> tuple:
+    """(logp, lse) of a forward's output, and its entropy with `entropy`."""
+    return (o.logp, o.lse, o.entropy) if entropy else (o.logp, o.lse)
+
+
 # --- the run ---------------------------------------------------------------------------------------
 
 
@@ -389,9 +401,7 @@ class Suite:
         self.fwd_ms = {}  # (shape, layout, m, label) -> ms stats
         self.keep = {}  # compiled TP forwards kept for the pieces phase / trace: label -> (compiled, args)
         self._w_host = {}
-        from detlogp_jax import backends
-
-        self.entropy = args.entropy == "on" or (args.entropy == "auto" and backends.get(args.backend).entropy)
+        self.entropy = entropy_on(args.entropy, args.backend)
         self.run.doc["entropy"] = bool(self.entropy)
 
     # -- meshes and placement
@@ -459,8 +469,7 @@ class Suite:
         return {"return_entropy": True} if self.entropy else {}
 
     def _outputs(self, o):
-        """(logp, lse) of a forward, and its entropy with --entropy."""
-        return (o.logp, o.lse, o.entropy) if self.entropy else (o.logp, o.lse)
+        return outputs(o, self.entropy)
 
     def _tp_call(self, c, shape, layout):
         from sharding import linear_logp_tp

@@ -139,16 +139,6 @@ def _timed(fn, iters, warmup, calls):
     return T.ms_stats(ts)
 
 
-def _entropy_on(a) -> bool:
-    from detlogp_jax import backends
-
-    return a.entropy == "on" or (a.entropy == "auto" and backends.get(a.backend).entropy)
-
-
-def _outputs(o, entropy: bool):
-    return (o.logp, o.lse, o.entropy) if entropy else (o.logp, o.lse)
-
-
 def _layouts(a):
     from detlogp_jax import backends
 
@@ -170,13 +160,13 @@ def role_ref(a):
     res = {"device": dev.device_kind, "platform": dev.platform, "n_local_devices": len(jax.devices()), "rows": []}
     res["skipped_layouts"] = missing
     w_vd = jax.device_put(T.weight_rows(shape, 0, T.N_BLOCKS, a.dtype, a.seed), dev)
-    ent = _entropy_on(a)
+    ent = T.entropy_on(a.entropy, a.backend)
     res["entropy"] = bool(ent)
     ekw = {"return_entropy": True} if ent else {}
     for layout in layouts:
         w = w_vd if layout == "vd" else jax.jit(lambda x: x.T)(w_vd)
         f = jax.jit(
-            lambda h, w, t: _outputs(
+            lambda h, w, t: T.outputs(
                 dl.linear_logp(
                     h,
                     w,
@@ -250,7 +240,7 @@ def role_worker(a):
             v_axis = 0 if layout == "vd" else 1
             w_global = assemble_shards(shards, mesh, "tp", axis=v_axis)
             gen_s = time.perf_counter() - t0
-            ent = _entropy_on(a)
+            ent = T.entropy_on(a.entropy, a.backend)
             kw = dict(
                 mesh=mesh,
                 tp_axis="tp",
@@ -260,7 +250,7 @@ def role_worker(a):
                 weight_layout=layout,
                 **({"return_entropy": True} if ent else {}),
             )
-            f = jax.jit(lambda h, w, t: _outputs(linear_logp_tp(h, w, t, **kw), ent))
+            f = jax.jit(lambda h, w, t: T.outputs(linear_logp_tp(h, w, t, **kw), ent))
             for m in a.ms:
                 ref = np.load(os.path.join(a.workdir, f"ref_{layout}_{m}.npz"))
                 h = replicated(T.hidden_host(shape, m, a.dtype, a.seed))
