@@ -144,25 +144,51 @@ def pairwise(vals, ops):
     return vals[0]
 
 
-def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, ops, tile_cast):
-    """Pass 1 of `chain_tile_sliced`: y = fl(z * inv_t) per slice (masked), the tile max
-    (the max of the slice maxima: exact) and the target capture; then m', alpha = pexp(m - m')
-    (1 where the max does not move) and m' broadcast to a slice. Returns
-    (iota8, inv_b, m', alpha, m'_b, z_hit)."""
+def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast, pass1):
+    """Pass 1 of `chain_tile_sliced`: y = fl(z * inv_t) per slice (masked), the tile max and
+    the target capture; then m', alpha = pexp(m - m') (1 where the max does not move) and m'
+    broadcast to a slice. Returns (iota8, inv_b, m', alpha, m'_b, z_hit).
+
+    Both maxima are exact (`max` is an exact operation of the contract, CONTRACT.md section 2),
+    so the order in which they meet their 64 lanes is free: pass1="slices" reduces each slice
+    over its row (in-thread, then shuffles) and takes the max of the eight slice maxima;
+    pass1="tile" takes the lane-wise max over the eight slices in registers first and
+    reduces one [BM, 8] array per row (two row reductions per tile instead of sixteen), with
+    the column masks skipped on full tiles (identities there) and the column tests against
+    scalars / row vectors relative to the tile (no per-lane column index)."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
     inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
-    tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
-    tm = z_hit = None
-    for j in range(8):
-        z = load_slice(j)
-        col = iota8 + (tcol0 + 8 * j)
-        y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
-        tj = jnp.max(y, axis=1)
-        hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
-        tm = tj if tm is None else jnp.maximum(tm, tj)
-        z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
+    if pass1 == "tile":
+        rel = tgt - tcol0  # the target's column within the tile (row vector)
+
+        def scan(masked):
+            y_max = z_max = None
+            for j in range(8):
+                z = load_slice(j)
+                y = ops.mul(z, inv_b)
+                if masked:
+                    y = jnp.where(iota8 < m_limit - (tcol0 + 8 * j), y, neg_inf)
+                h = jnp.where(iota8 == jnp.broadcast_to((rel - 8 * j)[:, None], (bm, 8)), z, neg_inf)
+                y_max = y if y_max is None else jnp.maximum(y_max, y)
+                z_max = h if z_max is None else jnp.maximum(z_max, h)
+            return jnp.max(y_max, axis=1), jnp.max(z_max, axis=1)
+
+        tm, z_hit = lax.cond(full, lambda: scan(False), lambda: scan(True))
+    elif pass1 == "slices":
+        tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
+        tm = z_hit = None
+        for j in range(8):
+            z = load_slice(j)
+            col = iota8 + (tcol0 + 8 * j)
+            y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
+            tj = jnp.max(y, axis=1)
+            hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
+            tm = tj if tm is None else jnp.maximum(tm, tj)
+            z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
+    else:
+        raise ValueError(f"pass1 must be 'tile' or 'slices', got {pass1!r}")
     m_new = jnp.maximum(m, tm)
     alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
     m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
@@ -185,6 +211,7 @@ def chain_tile_sliced(
     row_cast,
     slices_per_step: int = 2,
     a=None,
+    pass1: str = "slices",
 ):
     """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
 
@@ -205,6 +232,8 @@ def chain_tile_sliced(
     also forms u from the d of each lane's exp (`entropy_lanes`) and reduces it with
     the tree of e (slice sums, then the same pairwise levels, in the same loop), and
     the result is (m', S', z_hit, A') as `chain_tile(..., a=a)` gives.
+
+    pass1: how pass 1 meets its maxima ("slices" or "tile", `_sliced_pass1`): the same bits.
     """
     if a is not None:
         return _chain_tile_sliced_entropy(
@@ -222,10 +251,13 @@ def chain_tile_sliced(
             tile_cast=tile_cast,
             row_cast=row_cast,
             slices_per_step=slices_per_step,
+            pass1=pass1,
         )
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
-    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, ops, tile_cast)
+    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
+        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast, pass1
+    )
 
     def slice_part(j, masked):
         z = load_slice(j)
@@ -266,14 +298,31 @@ def chain_tile_sliced(
 
 
 def _chain_tile_sliced_entropy(
-    m, s, a, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, *, interpret, tile_cast, row_cast, slices_per_step
+    m,
+    s,
+    a,
+    load_slice,
+    tcol0,
+    tgt,
+    inv_t,
+    m_limit,
+    full,
+    ops,
+    *,
+    interpret,
+    tile_cast,
+    row_cast,
+    slices_per_step,
+    pass1,
 ):
     """`chain_tile_sliced` with the entropy statistic: the same pass 1, and in pass 2 each
     slice gives the level-3 sums of e and of u (same slices, same tree levels 1-3, then the
     same pairwise levels 4-6 for both). Returns (m', S', z_hit, A')."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
-    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, ops, tile_cast)
+    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
+        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast, pass1
+    )
 
     def slice_part(j, masked):
         z = load_slice(j)

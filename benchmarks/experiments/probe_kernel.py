@@ -40,7 +40,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, pass1_8).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -473,6 +473,26 @@ def main(argv):
             "residual7", "gemm (forward)", m, jax.jit(lambda h, w: baselines.gemm(h, w)), [(a[0], w) for a in arg_sets]
         )
 
+    if "pass1_8" in groups:
+        # The epilogue's pass 1 (eighth session, issue 18 item 3): per-slice row maxima (shipped)
+        # vs lane-wise maxima and one row reduction per tile (WsForwardConfig.epilogue_pass1),
+        # same bytes required, trainer and serving entries, next to the GEMM alone.
+        for base, ms in (("decode", (1, 64)), ("prefill", (512, 4096, 16384))):
+            for m in ms:
+                p.kernel("pass1_8", f"{base} slices", m, tuning.BUCKETS[base])
+                p.kernel("pass1_8", f"{base} tile", m, _v(base, f"{base}_tile", epilogue_pass1="tile"))
+                if m == 4096:
+                    p.kernel("pass1_8", f"{base} slices serving", m, tuning.BUCKETS[base], return_logits=True)
+                    p.kernel(
+                        "pass1_8",
+                        f"{base} tile serving",
+                        m,
+                        _v(base, f"{base}_tile", epilogue_pass1="tile"),
+                        return_logits=True,
+                    )
+                sets = [(h, p.w) for h, _ in p.sets(m)]
+                p.generic("pass1_8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
     if "chunk7" in groups:
         # The recompute backward's vocab chunk (issue 18 item 4: temp memory at M=4096 within 1.1x
         # of hidden + weight + gradients; 336 MB = 1.13x at the default 8192): time and compiled
@@ -494,6 +514,26 @@ def main(argv):
             except Exception as e:  # keep timing without the figure
                 temp_mb = f"{type(e).__name__}: {e}"[:200]
             p.generic("chunk7", f"fused dz chunk{chunk} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
+        # The same through linear_logp's fwd+bwd (the runner's recompute lane: its temp_MB is what
+        # the 1.1x bar reads), with grad.backward's default chunk swapped for the run.
+        defaults = grad.backward.__kwdefaults__
+        shipped = defaults["chunk"]
+        try:
+            for chunk in (4096, 8192):
+                defaults["chunk"] = chunk
+
+                def loss(h, w, t):
+                    return jnp.sum(api.linear_logp(h, w, t, vocab_size=V_REAL, backend="pallas_sm90").logp)
+
+                f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                try:
+                    mem = f.lower(*arg_sets[0]).compile().memory_analysis()
+                    temp_mb = getattr(mem, "temp_size_in_bytes", 0) / 2**20
+                except Exception as e:
+                    temp_mb = f"{type(e).__name__}: {e}"[:200]
+                p.generic("chunk7", f"linear_logp fwd+bwd chunk{chunk} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
+        finally:
+            defaults["chunk"] = shipped
 
     if "backward" in groups:
         m = 4096
