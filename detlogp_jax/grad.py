@@ -79,7 +79,10 @@ from jax import lax
 
 from detlogp_jax import vma
 
-DEFAULT_CHUNK = 8192  # bit-neutral for the forward; fixes the backward's sums
+# Bit-neutral for the forward; fixes the backward's sums. 4096 since the eighth session: the
+# recompute program's temp memory at M=4096 is 224 MiB (1.09x hidden + weight + their gradients;
+# 8192: 320 MiB, 1.13x), for +0.6 ms of backward (h200_2026-12-01d/call1_probe_pass1_8_chunk7.log).
+DEFAULT_CHUNK = 4096
 
 
 def _chunking(v_rows: int, chunk: int) -> int:
@@ -238,7 +241,7 @@ def backward(
     n_sums = int(want_plp) + int(want_var)
     if logits is not None and not saved_logits_chunked:
         dh, dw, db, sums = _whole_from_logits(
-            dz_from, logits, g_full, hidden.astype(gemm_dtype), weight, bias, vocab_size, prec, v_axis
+            dz_from, logits, g_full, hidden.astype(gemm_dtype), weight, bias, vocab_size, prec, v_axis, hidden.dtype
         )
         return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
     operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
@@ -258,12 +261,14 @@ def _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var):
     return out + ((plp, var),)
 
 
-def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size, prec, v_axis):
+def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size, prec, v_axis, dh_dtype):
     """The residual mode's backward in one pass: dz [rows, V_rows] from the saved logits
     (one elementwise pass; columns at or beyond vocab_size, and the weight's rows past
     the saved columns, get 0), then dh = dz @ W, dW = dz.T @ h and db = sum_rows dz as
     one GEMM each, with no chunk walk (no weight-chunk copies, no dW chunk writes, no
-    zero-filled dW). Returns (dh f32, dW in the weight dtype, db or None, row sums)."""
+    zero-filled dW). dh has nothing more to add, so its GEMM writes `dh_dtype` (the
+    caller's hidden dtype: the FP32 accumulator rounded once, in the GEMM's epilogue).
+    Returns (dh, dW in the weight dtype, db or None, row sums)."""
     v_rows = weight.shape[v_axis]
     vs = logits.shape[1]
     cols = jnp.arange(vs)
@@ -271,16 +276,17 @@ def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size
     dz, sums = dz_from(logits, cols, cols < vocab_size, g_extra)
     if vs < v_rows:  # weight rows past the saved columns are padding: dz = 0 there
         dz = jnp.pad(dz, ((0, 0), (0, v_rows - vs)))
-    dh, dw, db = _gradient_gemms(dz, weight, hidden, bias, prec, v_axis)
+    dh, dw, db = _gradient_gemms(dz, weight, hidden, bias, prec, v_axis, dh_dtype=dh_dtype)
     return dh, dw, None if db is None else db.astype(bias.dtype), sums
 
 
-def _gradient_gemms(dz, w, hidden, bias, prec, v_axis):
-    """dz @ w (dh, f32), dz.T @ h (dW in w's layout and dtype; bf16 out, f32 accumulation)
-    and sum_rows dz (db, f32; None without a bias) for dz [rows, cols] and w of those cols."""
+def _gradient_gemms(dz, w, hidden, bias, prec, v_axis, dh_dtype=jnp.float32):
+    """dz @ w (dh in dh_dtype, f32 accumulation; the chunk walk adds f32 chunks), dz.T @ h
+    (dW in w's layout and dtype; bf16 out, f32 accumulation) and sum_rows dz (db, f32; None
+    without a bias) for dz [rows, cols] and w of those cols."""
     wd = "vd" if v_axis == 0 else "dv"
     out_dtype = jnp.float32 if w.dtype == jnp.float32 else w.dtype
-    dh = jnp.einsum(f"nv,{wd}->nd", dz, w.astype(dz.dtype), preferred_element_type=jnp.float32, precision=prec)
+    dh = jnp.einsum(f"nv,{wd}->nd", dz, w.astype(dz.dtype), preferred_element_type=dh_dtype, precision=prec)
     dw = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec)
     db = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0)
     return dh, dw.astype(w.dtype), db

@@ -379,7 +379,6 @@ def build(
                                 row_cast=row_cast,
                                 slices_per_step=sps,
                                 a=a,
-                                pass1=cfg.epilogue_pass1,
                             )
                             m2, s2, z_hit = out[:3]
                             row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)

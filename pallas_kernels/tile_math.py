@@ -144,51 +144,38 @@ def pairwise(vals, ops):
     return vals[0]
 
 
-def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast, pass1):
+def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast):
     """Pass 1 of `chain_tile_sliced`: y = fl(z * inv_t) per slice (masked), the tile max and
     the target capture; then m', alpha = pexp(m - m') (1 where the max does not move) and m'
     broadcast to a slice. Returns (iota8, inv_b, m', alpha, m'_b, z_hit).
 
     Both maxima are exact (`max` is an exact operation of the contract, CONTRACT.md section 2),
-    so the order in which they meet their 64 lanes is free: pass1="slices" reduces each slice
-    over its row (in-thread, then shuffles) and takes the max of the eight slice maxima;
-    pass1="tile" takes the lane-wise max over the eight slices in registers first and
-    reduces one [BM, 8] array per row (two row reductions per tile instead of sixteen), with
-    the column masks skipped on full tiles (identities there) and the column tests against
-    scalars / row vectors relative to the tile (no per-lane column index)."""
+    so the order in which they meet the tile's 64 lanes is free: the lane-wise max over the
+    eight slices is taken in registers first, then one [BM, 8] row reduction per maximum
+    (two per tile; a row reduction per slice would be sixteen, each with its shuffles).
+    The column mask is skipped on full tiles (an identity there), and the column tests
+    compare the slice's lane index with a scalar / a row vector relative to the tile (no
+    per-lane column index). The same bytes as per-slice maxima (H200: every bucket,
+    `h200_2026-12-01d/call1_probe_pass1_8_chunk7.log`; the per-slice version is at 14e5aad)."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))
     inv_b = jnp.broadcast_to(inv_t[:, None], (bm, 8))
-    if pass1 == "tile":
-        rel = tgt - tcol0  # the target's column within the tile (row vector)
+    rel = tgt - tcol0  # the target's column within the tile (row vector)
 
-        def scan(masked):
-            y_max = z_max = None
-            for j in range(8):
-                z = load_slice(j)
-                y = ops.mul(z, inv_b)
-                if masked:
-                    y = jnp.where(iota8 < m_limit - (tcol0 + 8 * j), y, neg_inf)
-                h = jnp.where(iota8 == jnp.broadcast_to((rel - 8 * j)[:, None], (bm, 8)), z, neg_inf)
-                y_max = y if y_max is None else jnp.maximum(y_max, y)
-                z_max = h if z_max is None else jnp.maximum(z_max, h)
-            return jnp.max(y_max, axis=1), jnp.max(z_max, axis=1)
-
-        tm, z_hit = lax.cond(full, lambda: scan(False), lambda: scan(True))
-    elif pass1 == "slices":
-        tgt_b = jnp.broadcast_to(tgt[:, None], (bm, 8))
-        tm = z_hit = None
+    def scan(masked):
+        y_max = z_max = None
         for j in range(8):
             z = load_slice(j)
-            col = iota8 + (tcol0 + 8 * j)
-            y = jnp.where(col < m_limit, ops.mul(z, inv_b), neg_inf)
-            tj = jnp.max(y, axis=1)
-            hj = jnp.max(jnp.where(col == tgt_b, z, neg_inf), axis=1)
-            tm = tj if tm is None else jnp.maximum(tm, tj)
-            z_hit = hj if z_hit is None else jnp.maximum(z_hit, hj)
-    else:
-        raise ValueError(f"pass1 must be 'tile' or 'slices', got {pass1!r}")
+            y = ops.mul(z, inv_b)
+            if masked:
+                y = jnp.where(iota8 < m_limit - (tcol0 + 8 * j), y, neg_inf)
+            h = jnp.where(iota8 == jnp.broadcast_to((rel - 8 * j)[:, None], (bm, 8)), z, neg_inf)
+            y_max = y if y_max is None else jnp.maximum(y_max, y)
+            z_max = h if z_max is None else jnp.maximum(z_max, h)
+        return jnp.max(y_max, axis=1), jnp.max(z_max, axis=1)
+
+    tm, z_hit = lax.cond(full, lambda: scan(False), lambda: scan(True))
     m_new = jnp.maximum(m, tm)
     alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
     m_b = jnp.broadcast_to(m_new[:, None], (bm, 8))
@@ -211,19 +198,18 @@ def chain_tile_sliced(
     row_cast,
     slices_per_step: int = 2,
     a=None,
-    pass1: str = "slices",
 ):
     """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
 
     load_slice(j) returns slice j (traced j allowed): the post-bias FP32 logits
     of columns tcol0 + 8j ... + 8. Same contract step, same operations on every
     lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
-    the row max (exact, so the max of the slice maxima is the tile max) and the
+    the row max (exact: lane-wise over the slices, then one row reduction) and the
     target capture; pass 2 reads them again (y recomputed: the same rounded
     multiply of the same operands) for e = pexp(y - m') and the slice sums
     (tree levels 1-3), in a loop of 8 / slices_per_step steps so the code stays
     small; levels 4-6 are pinned pairwise adds. `full` (traced bool): every lane
-    of the tile is valid, the masks are skipped in pass 2 (identities then).
+    of the tile is valid, the masks are skipped in both passes (identities then).
     tile_cast / row_cast put [BM, 8] / [BM] arrays in the kernel's register
     layouts (identities in interpret mode).
     Returns (m', S', z_hit) as `chain_tile` does.
@@ -232,8 +218,6 @@ def chain_tile_sliced(
     also forms u from the d of each lane's exp (`entropy_lanes`) and reduces it with
     the tree of e (slice sums, then the same pairwise levels, in the same loop), and
     the result is (m', S', z_hit, A') as `chain_tile(..., a=a)` gives.
-
-    pass1: how pass 1 meets its maxima ("slices" or "tile", `_sliced_pass1`): the same bits.
     """
     if a is not None:
         return _chain_tile_sliced_entropy(
@@ -251,12 +235,11 @@ def chain_tile_sliced(
             tile_cast=tile_cast,
             row_cast=row_cast,
             slices_per_step=slices_per_step,
-            pass1=pass1,
         )
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
-        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast, pass1
+        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
     )
 
     def slice_part(j, masked):
@@ -313,7 +296,6 @@ def _chain_tile_sliced_entropy(
     tile_cast,
     row_cast,
     slices_per_step,
-    pass1,
 ):
     """`chain_tile_sliced` with the entropy statistic: the same pass 1, and in pass 2 each
     slice gives the level-3 sums of e and of u (same slices, same tree levels 1-3, then the
@@ -321,7 +303,7 @@ def _chain_tile_sliced_entropy(
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
-        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast, pass1
+        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
     )
 
     def slice_part(j, masked):

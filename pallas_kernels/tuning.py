@@ -148,7 +148,6 @@ class WsForwardConfig(ForwardConfig):
     tile_k: int = 64  # K slice per pipeline stage (64: 128B swizzle, 32: 64B)
     auto_barriers: bool = False  # keep Pallas's automatic warpgroup barriers (timing only)
     cluster: int = 1  # CTAs per cluster sharing each weight K slice by TMA multicast
-    epilogue_pass1: str = "slices"  # how the chain's pass 1 meets its exact maxima (tile_math._sliced_pass1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -177,11 +176,6 @@ class WsForwardConfig(ForwardConfig):
         _require(self.tile_k in (32, 64), self, f"tile_k must be 32 or 64, got {self.tile_k}")
         _require(isinstance(self.auto_barriers, bool), self, f"auto_barriers must be a bool, got {self.auto_barriers}")
         _require(self.cluster in (1, 2), self, f"cluster must be 1 or 2, got {self.cluster}")
-        _require(
-            self.epilogue_pass1 in ("slices", "tile"),
-            self,
-            f"epilogue_pass1 must be 'slices' or 'tile', got {self.epilogue_pass1!r}",
-        )
 
     @property
     def ctas_per_cluster(self) -> int:

@@ -264,15 +264,15 @@ def _ws(**kw):
     return dataclasses.replace(tuning.BUCKETS["prefill"], name="ws-test", **kw)
 
 
-@pytest.mark.parametrize("epilogue_wgs,slices,pass1", [(1, 2, "slices"), (2, 1, "slices"), (1, 2, "tile")])
-def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices, pass1):
+@pytest.mark.parametrize("epilogue_wgs,slices", [(1, 2), (2, 1)])
+def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices):
     """sm90_forward_ws == the chain-in-wgmma kernel (small bucket), every output and the
     logits, with bias, per-row temperatures and padded vocab; no races (one CTA, 2 row blocks)."""
     n, d, v, vp = 130, 128, 328, 512
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=1, per_row_t=True)
     ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
     _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
-    cfg = _ws(epilogue_wgs=epilogue_wgs, epilogue_slices=slices, epilogue_pass1=pass1)
+    cfg = _ws(epilogue_wgs=epilogue_wgs, epilogue_slices=slices)
     out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=cfg, num_ctas=1, return_logits=True)
     for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
         assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
@@ -296,13 +296,12 @@ def test_ws_kernel_tile_k32_equals_oracle():
     _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
 
 
-@pytest.mark.parametrize("pass1", ["slices", "tile"])
 @pytest.mark.parametrize("full", [True, False])
-def test_chain_tile_sliced_equals_chain_tile(full, pass1):
+def test_chain_tile_sliced_equals_chain_tile(full):
     """The sliced chain step (two passes over eight [BM, 8] slices, exp loop) gives the bytes
-    of tile_math.chain_tile for every slices_per_step, masked and unmasked, with either pass 1
-    (per-slice row maxima, or lane-wise maxima and one row reduction), a NaN logit and targets
-    before, inside and past the tile."""
+    of tile_math.chain_tile for every slices_per_step, masked and unmasked (pass 1: lane-wise
+    maxima and one row reduction), with a NaN logit and targets before, inside and past the
+    tile."""
     from jax import lax
 
     from pallas_kernels import ptx_ops, tile_math
@@ -340,7 +339,6 @@ def test_chain_tile_sliced_equals_chain_tile(full, pass1):
             tile_cast=ident,
             row_cast=ident,
             slices_per_step=sps,
-            pass1=pass1,
         )
         for a, c, name in zip(got, want, ("m", "s", "z_hit")):
             assert_bitwise_equal(np.asarray(a), np.asarray(c), f"{name} sps={sps}")

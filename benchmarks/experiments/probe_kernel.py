@@ -474,22 +474,15 @@ def main(argv):
         )
 
     if "pass1_8" in groups:
-        # The epilogue's pass 1 (eighth session, issue 18 item 3): per-slice row maxima (shipped)
-        # vs lane-wise maxima and one row reduction per tile (WsForwardConfig.epilogue_pass1),
-        # same bytes required, trainer and serving entries, next to the GEMM alone.
+        # The epilogue's pass 1 (eighth session, issue 18 item 3). Run at 14e5aad it timed the
+        # per-slice row maxima against lane-wise maxima with one row reduction per tile (same
+        # bytes; adopted since, h200_2026-12-01d/call1_probe_pass1_8_chunk7.log); now the shipped
+        # buckets, trainer and serving entries, next to the GEMM alone at the same M.
         for base, ms in (("decode", (1, 64)), ("prefill", (512, 4096, 16384))):
             for m in ms:
-                p.kernel("pass1_8", f"{base} slices", m, tuning.BUCKETS[base])
-                p.kernel("pass1_8", f"{base} tile", m, _v(base, f"{base}_tile", epilogue_pass1="tile"))
+                p.kernel("pass1_8", base, m, tuning.BUCKETS[base])
                 if m == 4096:
-                    p.kernel("pass1_8", f"{base} slices serving", m, tuning.BUCKETS[base], return_logits=True)
-                    p.kernel(
-                        "pass1_8",
-                        f"{base} tile serving",
-                        m,
-                        _v(base, f"{base}_tile", epilogue_pass1="tile"),
-                        return_logits=True,
-                    )
+                    p.kernel("pass1_8", f"{base} serving", m, tuning.BUCKETS[base], return_logits=True)
                 sets = [(h, p.w) for h, _ in p.sets(m)]
                 p.generic("pass1_8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
@@ -521,6 +514,7 @@ def main(argv):
         try:
             for chunk in (4096, 8192):
                 defaults["chunk"] = chunk
+                jax.clear_caches()  # the op's inner jits keep their traces (of the other chunk) otherwise
 
                 def loss(h, w, t):
                     return jnp.sum(api.linear_logp(h, w, t, vocab_size=V_REAL, backend="pallas_sm90").logp)
@@ -534,6 +528,7 @@ def main(argv):
                 p.generic("chunk7", f"linear_logp fwd+bwd chunk{chunk} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
         finally:
             defaults["chunk"] = shipped
+            jax.clear_caches()
 
     if "backward" in groups:
         m = 4096
