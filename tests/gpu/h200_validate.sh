@@ -5,15 +5,16 @@
 # GPU pytest (gradients, fold layouts, kernel vs oracle), the ladder (all stages),
 # the golden REPLAY (the records must not change). Benchmarks: tests/gpu/h200_bench.sh.
 # Stages (VALIDATE_STAGES, comma-separated; default all, in this order): pytest (VALIDATE_PYTEST:
-# the pytest arguments, default the gradient and kernel test files), ladder, golden.
+# the test files, default the gradient and kernel test files; VALIDATE_K: a -k expression), ladder,
+# golden.
 # Run from the repo root on the device:  bash tests/gpu/h200_validate.sh
 set -u
 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 STAGES=",${VALIDATE_STAGES:-pytest,ladder,golden},"
 if [[ $STAGES == *,pytest,* ]]; then
-  # shellcheck disable=SC2086  # VALIDATE_PYTEST is a list of pytest arguments
-  stage pytest_gpu ${PYTEST_LIMIT_S:-240} python3 -m pytest -q -x -rw ${VALIDATE_PYTEST:-tests/gpu/test_grad_gpu.py tests/gpu/test_pallas_gpu.py}
+  # shellcheck disable=SC2086  # VALIDATE_PYTEST is a list of test files
+  stage pytest_gpu ${PYTEST_LIMIT_S:-240} python3 -m pytest -q -x -rw ${VALIDATE_PYTEST:-tests/gpu/test_grad_gpu.py tests/gpu/test_pallas_gpu.py} ${VALIDATE_K:+-k "$VALIDATE_K"}
 fi
 if [[ $STAGES == *,ladder,* ]]; then
   stage ladder 285 env LADDER_BUDGET_S=265 LADDER_STAGE_TIMEOUT_S=180 LADDER_DUMP=0 LADDER_STAGES=ACB python3 tests/gpu/run_ladder.py
