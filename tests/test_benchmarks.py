@@ -386,3 +386,13 @@ def test_entropy_cases_in_the_same_run(monkeypatch):
     assert "with_entropy" in why
     with pytest.raises(ValueError, match="library backend"):
         cases.CaseSpec("gemm", shapes.get("tiny"), entropy=True)
+
+
+def test_replot_draws_a_recorded_document(tmp_path):
+    """benchmarks.replot redraws a recorded runner document (one made with --plot none) as a PNG."""
+    from benchmarks import replot
+
+    src = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200_2026-12-01d", "call4_fwd.json")
+    out = replot.replot(src, str(tmp_path / "fwd.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

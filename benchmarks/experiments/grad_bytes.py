@@ -28,7 +28,7 @@ import numpy as np
 
 import detlogp_jax as dl
 
-# (n, d, v_rows, vocab): one chunk; 19 chunks of 8192 with a clamped last one (Qwen3 rows);
+# (n, d, v_rows, vocab): one chunk; 37 chunks of 4096 with a clamped last one (Qwen3 rows);
 # a padded Qwen3-8B-sized head at a few rows.
 SHAPES = [(12, 128, 1536, 1500), (64, 256, 152064, 151936), (8, 4096, 152064, 151936)]
 

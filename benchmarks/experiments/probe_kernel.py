@@ -488,7 +488,7 @@ def main(argv):
 
     if "chunk7" in groups:
         # The recompute backward's vocab chunk (issue 18 item 4: temp memory at M=4096 within 1.1x
-        # of hidden + weight + gradients; 336 MB = 1.13x at the default 8192): time and compiled
+        # of hidden + weight + gradients; 1.14x at 8192, the default until the eighth session): time and compiled
         # temp bytes of grad.backward with the fused dz kernel (as linear_logp runs it) per chunk.
         from detlogp_jax import backends
 

@@ -1,0 +1,49 @@
+"""Draw the plot of a `benchmarks.run` JSON document after the fact (e.g. a run made with
+`--plot none` on the device): the same figure `benchmarks.run` draws, from the document alone.
+
+  python -m benchmarks.replot --json benchmarks/results/h200_2026-12-01d/call4_fwd.json
+  (writes call4_fwd.png next to it; --png to put it elsewhere)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import app, flags
+
+from benchmarks import report
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("json", None, "A benchmarks.run JSON document.")
+flags.DEFINE_string("png", None, "Output PNG (default: the JSON path with .png).")
+
+
+def replot(json_path: str, png_path: str | None = None) -> str:
+    """Writes the document's plot (time per call vs M per backend, the floors) and returns its path."""
+    with open(json_path) as f:
+        doc = json.load(f)
+    fields = {f.name for f in dataclasses.fields(report.CaseResult)}
+    cases = [report.CaseResult(**{k: v for k, v in c.items() if k in fields}) for c in doc["cases"]]
+    cfg, env = doc.get("config", {}), doc.get("environment", {})
+    title = (
+        f"{doc.get('shape', {}).get('name', '?')} {cfg.get('entry', '?')} {cfg.get('mode', '?')}"
+        + ("" if cfg.get("residuals", "recompute") == "recompute" else f" residuals={cfg['residuals']}")
+        + (f" weight_layout={cfg['weight_layout']}" if cfg.get("weight_layout", "vd") != "vd" else "")
+        + f" on {env.get('device_kind', '?')}"
+    )
+    out = png_path or os.path.splitext(json_path)[0] + ".png"
+    report.plot(cases, doc.get("floors", []), out, title, cfg.get("hbm_tbps", 4.0), cfg.get("peak_tflops", 790.0))
+    return out
+
+
+def main(argv):
+    del argv
+    if not FLAGS.json:
+        raise app.UsageError("--json is required")
+    print(f"wrote {replot(FLAGS.json, FLAGS.png)}")
+
+
+if __name__ == "__main__":
+    app.run(main)
