@@ -47,6 +47,14 @@ carries the entropy statistic A (`tile_math.chain_tile_sliced(..., a=)`: u reduc
 from the same slices with the tree of e) and stores it after z_t; the producer and
 wgmma warpgroups are unchanged.
 
+Hand-off layout (`WsForwardConfig.handoff`, bit-neutral): "slices" (shipped) keeps each tile
+as eight [bm, 8] column slices; "swizzled" (off: to be timed on the H200, probe group
+`handoff8`) as two [bm, 32] halves in 128B-swizzled rows: the wgmma warpgroups store 2 halves
+per tile instead of 8 slices, the epilogue loads a half once per 4 slices and slices it in
+registers (epilogue_slices 4 or 8), and the serving entry's logits leave in 2 TMA boxes of
+128-byte rows per tile instead of 8 of 32-byte rows (the logits' width then a multiple of 32).
+The same values meet the same operations in the same order, so the bytes are the same.
+
 Shared memory: stages * (rows + 64 w) * 2 * tile_k bytes for the ring plus
 num_compute_wgs * w * block_m * 256 B for the hand-off buffers (Qwen3, w = 3,
 2 x 64 rows, tile_k = 64: 3 stages = 120 KiB + 96 KiB).
@@ -167,6 +175,7 @@ def build(
     # instruction sequence per accumulator (k16 ascending) does not depend on it.
     transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(2 * tile_k))
     sps = cfg.epilogue_slices
+    swz = cfg.handoff == "swizzled"  # hand-off tiles as two swizzled [bm, 32] halves (else 8 slices)
     row_l = common.row_layout()
     col_l = common.col_layout()
     tile_l = plgpu.Layout.WGMMA
@@ -185,8 +194,19 @@ def build(
             ),
             # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
             # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
-            # layout's 8-byte accesses of a warp cover 256 contiguous bytes).
-            dump=plgpu.SMEM((n_mma, w, 8, bm, 8), F32),
+            # layout's 8-byte accesses of a warp cover 256 contiguous bytes), or with
+            # handoff="swizzled" as two [bm, 32] halves in 128B-swizzled rows (the layout
+            # a TMA store reads and WGMMA-layout registers reach without bank conflicts;
+            # only whole halves load, the epilogue slices them in registers).
+            dump=(
+                plgpu.SMEM(
+                    (n_mma, w, 2, bm, 32),
+                    F32,
+                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+                )
+                if swz
+                else plgpu.SMEM((n_mma, w, 8, bm, 8), F32)
+            ),
             full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
             # cluster are done with it (the peer's multicast writes into it too).
@@ -287,8 +307,13 @@ def build(
                         plgpu.barrier_wait(dump_empty.at[wg])
                         z_all = acc_ref[...]
                         for i in range(w):
-                            for j in range(8):
-                                dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
+                            if swz:
+                                for hh in range(2):
+                                    c = i * TILE + 32 * hh
+                                    dump.at[wg, i, hh][...] = z_all[:, c : c + 32]
+                            else:
+                                for j in range(8):
+                                    dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
                         common.zero_acc(acc_ref, bm, gcols, interpret)
                         if return_logits and not has_bias:
                             plgpu.commit_smem()  # the epilogue's TMA stores read these writes (with bias it rewrites and commits)
@@ -338,12 +363,14 @@ def build(
                             # Each thread reads and rewrites the same addresses (the load and the store use
                             # the same WGMMA layout), so no cross-thread hazard needs the barriers that
                             # unsafe_no_auto_barriers removes.
+                            # (handoff="swizzled": the same per-lane add on [bm, 32] halves.)
+                            n_parts, width = (2, 32) if swz else (8, 8)
                             if has_bias:
-                                for j in range(8):
-                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + 8 * j, 8)], col_l, interpret)
+                                for j in range(n_parts):
+                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
                                     zj = load(dump.at[b, i, j], tile_l, interpret)
                                     dump.at[b, i, j][...] = tile_cast(
-                                        ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, 8)))
+                                        ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width)))
                                     )
                             if return_logits:
 
@@ -353,16 +380,32 @@ def build(
                                 def _store():
                                     if has_bias:
                                         plgpu.commit_smem()
-                                    for j in range(8):
+                                    for j in range(n_parts):
 
                                         @pl.when(
-                                            tcol0 - c0 + 8 * j < lg_cols
-                                        )  # slices wholly past the logits' width: none
+                                            tcol0 - c0 + width * j < lg_cols
+                                        )  # slices (halves) wholly past the logits' width: none
                                         def _slice():
                                             plgpu.copy_smem_to_gmem(
                                                 dump.at[b, i, j],
-                                                lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + 8 * j, 8)],
+                                                lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + width * j, width)],
                                             )
+
+                            def half_loaders(k):
+                                # handoff="swizzled": step k's sps slices (4: one [bm, 32] half,
+                                # 8: both) are slices k * sps + q, i.e. column block q % 4 of half
+                                # k * sps / 4 + q / 4; each half is loaded once, at its first
+                                # slice's use, and sliced in registers (k is traced in pass 2).
+                                halves = {}
+
+                                def slice_of(q):
+                                    if q // 4 not in halves:
+                                        hh = k * (sps // 4) + q // 4
+                                        halves[q // 4] = load(dump.at[b, i, hh], tile_l, interpret)
+                                    c = q % 4
+                                    return halves[q // 4][:, 8 * c : 8 * c + 8]
+
+                                return [lambda q=q: slice_of(q) for q in range(sps)]
 
                             out = tile_math.chain_tile_sliced(
                                 m,
@@ -379,6 +422,7 @@ def build(
                                 row_cast=row_cast,
                                 slices_per_step=sps,
                                 a=a,
+                                load_step=half_loaders if swz else None,
                             )
                             m2, s2, z_hit = out[:3]
                             row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)

@@ -144,7 +144,16 @@ def pairwise(vals, ops):
     return vals[0]
 
 
-def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast):
+def _step_loaders(load_slice, load_step, slices_per_step):
+    """k -> the slices_per_step loaders (zero-argument callables) of step k's slices, in
+    column order: `load_step` when given (a hand-off layout that reads a step's slices with
+    one load), else one `load_slice(j)` per slice, called where the slice is used."""
+    if load_step is not None:
+        return load_step
+    return lambda k: [lambda q=q: load_slice(k * slices_per_step + q) for q in range(slices_per_step)]
+
+
+def _sliced_pass1(m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast):
     """Pass 1 of `chain_tile_sliced`: y = fl(z * inv_t) per slice (masked), the tile max and
     the target capture; then m', alpha = pexp(m - m') (1 where the max does not move) and m'
     broadcast to a slice. Returns (iota8, inv_b, m', alpha, m'_b, z_hit).
@@ -165,8 +174,9 @@ def _sliced_pass1(m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cas
 
     def scan(masked):
         y_max = z_max = None
+        loaders = [ld for k in range(n_steps) for ld in steps(k)]  # slices 0..7 in order
         for j in range(8):
-            z = load_slice(j)
+            z = loaders[j]()
             y = ops.mul(z, inv_b)
             if masked:
                 y = jnp.where(iota8 < m_limit - (tcol0 + 8 * j), y, neg_inf)
@@ -198,11 +208,14 @@ def chain_tile_sliced(
     row_cast,
     slices_per_step: int = 2,
     a=None,
+    load_step=None,
 ):
     """`chain_tile` for a tile held in memory as eight [BM, 8] column slices.
 
     load_slice(j) returns slice j (traced j allowed): the post-bias FP32 logits
-    of columns tcol0 + 8j ... + 8. Same contract step, same operations on every
+    of columns tcol0 + 8j ... + 8. load_step (optional, then load_slice is unused):
+    k -> the loaders (zero-argument callables) of step k's slices_per_step slices, for a
+    memory layout that reads a step's slices in one load (k is traced in pass 2). Same contract step, same operations on every
     lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
     the row max (exact: lane-wise over the slices, then one row reduction) and the
     target capture; pass 2 reads them again (y recomputed: the same rounded
@@ -235,15 +248,19 @@ def chain_tile_sliced(
             tile_cast=tile_cast,
             row_cast=row_cast,
             slices_per_step=slices_per_step,
+            load_step=load_step,
         )
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
+    n_steps = 8 // slices_per_step
+    assert n_steps * slices_per_step == 8, slices_per_step
+    steps = _step_loaders(load_slice, load_step, slices_per_step)
     iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
-        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
+        m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
     )
 
-    def slice_part(j, masked):
-        z = load_slice(j)
+    def slice_part(loader, j, masked):
+        z = loader()
         y = ops.mul(z, inv_b)
         if masked:
             valid = (iota8 + (tcol0 + 8 * j)) < m_limit
@@ -253,12 +270,12 @@ def chain_tile_sliced(
             e = jnp.where(valid, e, jnp.asarray(0.0, F32))
         return slice_sum8(e, ops, interpret=interpret)
 
-    n_steps = 8 // slices_per_step
-    assert n_steps * slices_per_step == 8, slices_per_step
-
     def step_sum(k):
         def sums(masked):
-            return pairwise([slice_part(k * slices_per_step + q, masked) for q in range(slices_per_step)], ops)
+            loaders = steps(k)
+            return pairwise(
+                [slice_part(loaders[q], k * slices_per_step + q, masked) for q in range(slices_per_step)], ops
+            )
 
         return lax.cond(full, lambda: sums(False), lambda: sums(True))
 
@@ -296,18 +313,22 @@ def _chain_tile_sliced_entropy(
     tile_cast,
     row_cast,
     slices_per_step,
+    load_step=None,
 ):
     """`chain_tile_sliced` with the entropy statistic: the same pass 1, and in pass 2 each
     slice gives the level-3 sums of e and of u (same slices, same tree levels 1-3, then the
     same pairwise levels 4-6 for both). Returns (m', S', z_hit, A')."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
+    n_steps = 8 // slices_per_step
+    assert n_steps * slices_per_step == 8, slices_per_step
+    steps = _step_loaders(load_slice, load_step, slices_per_step)
     iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
-        m, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
+        m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
     )
 
-    def slice_part(j, masked):
-        z = load_slice(j)
+    def slice_part(loader, j, masked):
+        z = loader()
         y = ops.mul(z, inv_b)
         valid = None
         if masked:
@@ -316,12 +337,10 @@ def _chain_tile_sliced_entropy(
         e, u = entropy_lanes(y, m_b, valid, ops)
         return slice_sum8(e, ops, interpret=interpret), slice_sum8(u, ops, interpret=interpret)
 
-    n_steps = 8 // slices_per_step
-    assert n_steps * slices_per_step == 8, slices_per_step
-
     def step_sum(k):
         def sums(masked):
-            parts = [slice_part(k * slices_per_step + q, masked) for q in range(slices_per_step)]
+            loaders = steps(k)
+            parts = [slice_part(loaders[q], k * slices_per_step + q, masked) for q in range(slices_per_step)]
             return pairwise([p[0] for p in parts], ops), pairwise([p[1] for p in parts], ops)
 
         return lax.cond(full, lambda: sums(False), lambda: sums(True))

@@ -148,6 +148,10 @@ class WsForwardConfig(ForwardConfig):
     tile_k: int = 64  # K slice per pipeline stage (64: 128B swizzle, 32: 64B)
     auto_barriers: bool = False  # keep Pallas's automatic warpgroup barriers (timing only)
     cluster: int = 1  # CTAs per cluster sharing each weight K slice by TMA multicast
+    # The hand-off buffers' layout: "slices" (each tile as eight [block_m, 8] slices) or
+    # "swizzled" (two [block_m, 32] halves, 128B swizzle: the logits leave in 2 TMA boxes per tile
+    # instead of 8, the accumulator copy is 2 stores per tile; epilogue_slices 4 or 8). Same bytes.
+    handoff: str = "slices"
 
     def __post_init__(self):
         super().__post_init__()
@@ -176,6 +180,12 @@ class WsForwardConfig(ForwardConfig):
         _require(self.tile_k in (32, 64), self, f"tile_k must be 32 or 64, got {self.tile_k}")
         _require(isinstance(self.auto_barriers, bool), self, f"auto_barriers must be a bool, got {self.auto_barriers}")
         _require(self.cluster in (1, 2), self, f"cluster must be 1 or 2, got {self.cluster}")
+        _require(
+            self.handoff == "slices" or (self.handoff == "swizzled" and self.epilogue_slices in (4, 8)),
+            self,
+            f"handoff must be 'slices', or 'swizzled' with epilogue_slices 4 or 8; got {self.handoff!r} "
+            f"with epilogue_slices={self.epilogue_slices}",
+        )
 
     @property
     def ctas_per_cluster(self) -> int:

@@ -227,8 +227,10 @@ def _launch(
     want_cols = v_rows if logits_cols is None else int(logits_cols)
     if not 1 <= want_cols <= v_rows:
         raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
-    # The kernel's logits width: TMA row strides and the staging swizzle need a multiple of 8.
-    lg_cols = want_cols if (return_logits and want_cols % 8 == 0) else v_rows8
+    # The kernel's logits width: TMA row strides and the staging swizzle need a multiple of 8
+    # (32 with the ws kernel's swizzled hand-off, whose [rows, 32] boxes tile the columns).
+    align = 32 if getattr(cfg, "handoff", "slices") == "swizzled" else 8
+    lg_cols = want_cols if (return_logits and want_cols % align == 0) else -(-v_rows // align) * align
     outs = _forward_core(
         *args,
         n_pad=n_pad,

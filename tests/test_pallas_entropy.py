@@ -258,7 +258,8 @@ def test_kernel_entropy_multi_tile_splits(monkeypatch, bucket, force_w1):
 @pytest.mark.slow
 def test_kernel_entropy_batch_invariance_and_knobs():
     """Probe rows alone vs inside a 130-row batch, every bucket, and bit-neutral knobs of both
-    kernels (work order, delay_release, 2 epilogue warpgroups): A and the entropy bytes agree."""
+    kernels (work order, delay_release, 2 epilogue warpgroups, the swizzled hand-off): A and the
+    entropy bytes agree."""
     n, d, v, vp = 130, 128, 328, 512
     h, w, b, t, temp, inv_t = _problem(n, d, v, v, seed=1)
     probe = np.array([0, 64, 129])
@@ -267,6 +268,7 @@ def test_kernel_entropy_batch_invariance_and_knobs():
     variants = list(tuning.BUCKETS.values()) + [
         dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3),
         dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2, epilogue_wgs=2, epilogue_slices=1),
+        dataclasses.replace(tuning.BUCKETS["decode"], name="x3", handoff="swizzled", epilogue_slices=4),
     ]
     for cfg in variants:
         out = _partials(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3, return_entropy=True)

@@ -264,15 +264,18 @@ def _ws(**kw):
     return dataclasses.replace(tuning.BUCKETS["prefill"], name="ws-test", **kw)
 
 
-@pytest.mark.parametrize("epilogue_wgs,slices", [(1, 2), (2, 1)])
-def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices):
+@pytest.mark.parametrize(
+    "epilogue_wgs,slices,handoff", [(1, 2, "slices"), (2, 1, "slices"), (1, 4, "swizzled"), (2, 8, "swizzled")]
+)
+def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices, handoff):
     """sm90_forward_ws == the chain-in-wgmma kernel (small bucket), every output and the
-    logits, with bias, per-row temperatures and padded vocab; no races (one CTA, 2 row blocks)."""
+    logits, with bias, per-row temperatures and padded vocab; no races (one CTA, 2 row blocks);
+    with either hand-off layout (eight [bm, 8] slices, or two swizzled [bm, 32] halves)."""
     n, d, v, vp = 130, 128, 328, 512
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=1, per_row_t=True)
     ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
     _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
-    cfg = _ws(epilogue_wgs=epilogue_wgs, epilogue_slices=slices)
+    cfg = _ws(epilogue_wgs=epilogue_wgs, epilogue_slices=slices, handoff=handoff)
     out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=cfg, num_ctas=1, return_logits=True)
     for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
         assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)

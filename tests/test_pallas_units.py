@@ -344,6 +344,8 @@ _BAD_CONFIGS = [
     (tuning.WsForwardConfig, dict(cluster=4), "cluster"),
     (tuning.WsForwardConfig, dict(cluster=0), "cluster"),
     (tuning.WsForwardConfig, dict(auto_barriers=1), "auto_barriers"),
+    (tuning.WsForwardConfig, dict(handoff="tiles"), "handoff"),
+    (tuning.WsForwardConfig, dict(handoff="swizzled", epilogue_slices=2), "handoff"),
     (tuning.WsForwardConfig, dict(max_concurrent_steps=-1), "max_concurrent_steps"),
 ]
 
@@ -543,8 +545,16 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None, wei
     jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("bucket", sorted(tuning.BUCKETS))
+_SWIZZLED_HANDOFF = [
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="swizzled", handoff="swizzled", epilogue_slices=4),
+    dataclasses.replace(tuning.BUCKETS["decode"], name="swizzled8", handoff="swizzled", epilogue_slices=8),
+]
+
+
+@pytest.mark.parametrize("bucket", [*sorted(tuning.BUCKETS), *_SWIZZLED_HANDOFF], ids=lambda b: getattr(b, "name", b))
 def test_forward_lowers_for_cuda(bucket):
+    """Every bucket (and the swizzled hand-off of the ws kernel: its [bm, 32] halves stored from
+    the accumulator, loaded whole and sliced in registers, TMA-stored as logits) lowers for CUDA."""
     _lower(70, 192, 1000, 1024, bucket, bias=True, logits=True)
     _lower(70, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512)
 
@@ -559,6 +569,7 @@ _DV_VARIANTS = [
     dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="tile_k32", tile_k=32, epilogue_slices=4),
+    *_SWIZZLED_HANDOFF,
 ]
 
 
@@ -646,6 +657,7 @@ _ENTROPY_VARIANTS = [
     dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="epi2", epilogue_wgs=2, epilogue_slices=1),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="swizzled", handoff="swizzled", epilogue_slices=4),
 ]
 
 

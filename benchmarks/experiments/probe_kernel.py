@@ -40,7 +40,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, pass1_8).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, pass1_8, handoff8).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -485,6 +485,23 @@ def main(argv):
                     p.kernel("pass1_8", f"{base} serving", m, tuning.BUCKETS[base], return_logits=True)
                 sets = [(h, p.w) for h, _ in p.sets(m)]
                 p.generic("pass1_8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
+    if "handoff8" in groups:
+        # The ws kernel's swizzled hand-off (WsForwardConfig.handoff, off; eighth session, for the
+        # serving entry's logits stores and the residual mode's forward, issue 18 items 2-3): two
+        # [bm, 32] halves per tile (2 TMA boxes of 128 B rows instead of 8 of 32 B) with 4 or 8
+        # slices per epilogue step, against the shipped buckets; same bytes required.
+        for base, ms in (("prefill", (4096, 16384, 512)), ("decode", (1, 64))):
+            for m in ms:
+                entries = (False, True) if m in (4096, 1) else (False,)
+                for logits in entries:
+                    tag = " serving" if logits else ""
+                    p.kernel("handoff8", f"{base}{tag}", m, tuning.BUCKETS[base], return_logits=logits)
+                    for sps in (4, 8):
+                        cfg = _v(base, f"{base}_swz{sps}", handoff="swizzled", epilogue_slices=sps)
+                        p.kernel("handoff8", f"{base} swizzled sps{sps}{tag}", m, cfg, return_logits=logits)
+                sets = [(h, p.w) for h, _ in p.sets(m)]
+                p.generic("handoff8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
     if "chunk7" in groups:
         # The recompute backward's vocab chunk (issue 18 item 4: temp memory at M=4096 within 1.1x
