@@ -215,8 +215,8 @@ def chain_tile_sliced(
     load_slice(j) returns slice j (traced j allowed): the post-bias FP32 logits
     of columns tcol0 + 8j ... + 8. load_step (optional, then load_slice is unused):
     k -> the loaders (zero-argument callables) of step k's slices_per_step slices, for a
-    memory layout that reads a step's slices in one load (k is traced in pass 2). Same contract step, same operations on every
-    lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
+    memory layout that reads a step's slices in one load (k is traced in pass 2).
+    Same contract step, same operations on every lane, same tree: pass 1 reads the slices for y = fl(z * inv_t) (masked),
     the row max (exact: lane-wise over the slices, then one row reduction) and the
     target capture; pass 2 reads them again (y recomputed: the same rounded
     multiply of the same operands) for e = pexp(y - m') and the slice sums
