@@ -13,6 +13,8 @@ Interpret mode is slow (~0.1-0.2 s per pipeline step); shapes are tiny and the
 larger cases are marked slow.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -371,11 +373,17 @@ def test_each_kernel_builds_only_its_own_config():
         sm90_forward_wgmma.build(cfg=tuning.BUCKETS["prefill"], **kw)
 
 
-@pytest.mark.parametrize("bucket", ["decode", "prefill"])
-@pytest.mark.parametrize("v", [320, 325])
+_SWIZZLED_PREFILL = dataclasses.replace(
+    tuning.BUCKETS["prefill"], name="swizzled", handoff="swizzled", epilogue_slices=4
+)
+
+
+@pytest.mark.parametrize("bucket", ["decode", "prefill", _SWIZZLED_PREFILL], ids=lambda b: getattr(b, "name", b))
+@pytest.mark.parametrize("v", [320, 325, 360])
 def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
     """logits_cols=vocab: [N, vocab] logits, the bytes of the full-width logits' first columns
-    (written directly by the kernel when vocab % 8 == 0, sliced otherwise); partials unchanged."""
+    (written directly by the kernel when vocab % 8 == 0 (% 32 with the swizzled hand-off: 360
+    is not), sliced otherwise); partials unchanged."""
     n, d, vp = 9, 128, 512
     h, w, b, t, inv_t, temp = _problem(n, d, 384, seed=5)  # a weight of 384 rows > vocab
     full, _, _ = _run(h, w, b, t, inv_t, v, vp, bucket=bucket, num_ctas=2, return_logits=True)
