@@ -153,6 +153,15 @@ def _step_loaders(load_slice, load_step, slices_per_step):
     return lambda k: [lambda q=q: load_slice(k * slices_per_step + q) for q in range(slices_per_step)]
 
 
+def _sliced_setup(m, load_slice, load_step, slices_per_step, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast):
+    """What both sliced chains (with and without the entropy) start with: the step count, the
+    step loaders and pass 1. Returns (n_steps, steps, `_sliced_pass1`'s tuple)."""
+    n_steps = 8 // slices_per_step
+    assert n_steps * slices_per_step == 8, slices_per_step
+    steps = _step_loaders(load_slice, load_step, slices_per_step)
+    return n_steps, steps, _sliced_pass1(m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast)
+
+
 def _sliced_pass1(m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast):
     """Pass 1 of `chain_tile_sliced`: y = fl(z * inv_t) per slice (masked), the tile max and
     the target capture; then m', alpha = pexp(m - m') (1 where the max does not move) and m'
@@ -252,11 +261,8 @@ def chain_tile_sliced(
         )
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
-    n_steps = 8 // slices_per_step
-    assert n_steps * slices_per_step == 8, slices_per_step
-    steps = _step_loaders(load_slice, load_step, slices_per_step)
-    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
-        m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
+    n_steps, steps, (iota8, inv_b, m_new, alpha, m_b, z_hit) = _sliced_setup(
+        m, load_slice, load_step, slices_per_step, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
     )
 
     def slice_part(loader, j, masked):
@@ -320,11 +326,8 @@ def _chain_tile_sliced_entropy(
     same pairwise levels 4-6 for both). Returns (m', S', z_hit, A')."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
-    n_steps = 8 // slices_per_step
-    assert n_steps * slices_per_step == 8, slices_per_step
-    steps = _step_loaders(load_slice, load_step, slices_per_step)
-    iota8, inv_b, m_new, alpha, m_b, z_hit = _sliced_pass1(
-        m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
+    n_steps, steps, (iota8, inv_b, m_new, alpha, m_b, z_hit) = _sliced_setup(
+        m, load_slice, load_step, slices_per_step, tcol0, tgt, inv_t, m_limit, full, ops, tile_cast
     )
 
     def slice_part(loader, j, masked):
