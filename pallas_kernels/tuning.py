@@ -251,6 +251,12 @@ class DzConfig:
         return self.block_m * self.num_compute_wgs
 
 
+def logits_col_multiple(cfg: ForwardConfig) -> int:
+    """The multiple of columns the kernel's logits array needs: 8 (TMA row strides, the staging
+    swizzle), 32 with the ws kernel's swizzled hand-off (its [rows, 32] boxes tile the columns)."""
+    return 32 if getattr(cfg, "handoff", "slices") == "swizzled" else 8
+
+
 def padded_rows(n_rows: int, cfg: ForwardConfig) -> int:
     """Rows of the padded operands for n_rows real rows (at least one row block per cluster CTA)."""
     q = cfg.row_quantum
@@ -402,6 +408,7 @@ __all__ = [
     "select_bucket",
     "tiles_per_group",
     "padded_rows",
+    "logits_col_multiple",
     "persistent_ctas",
     "pipeline_stages",
     "stage_bytes",

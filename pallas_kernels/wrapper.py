@@ -227,9 +227,8 @@ def _launch(
     want_cols = v_rows if logits_cols is None else int(logits_cols)
     if not 1 <= want_cols <= v_rows:
         raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
-    # The kernel's logits width: TMA row strides and the staging swizzle need a multiple of 8
-    # (32 with the ws kernel's swizzled hand-off, whose [rows, 32] boxes tile the columns).
-    align = 32 if getattr(cfg, "handoff", "slices") == "swizzled" else 8
+    # The kernel's logits width: a multiple of the config's column multiple, else sliced after.
+    align = tuning.logits_col_multiple(cfg)
     lg_cols = want_cols if (return_logits and want_cols % align == 0) else -(-v_rows // align) * align
     outs = _forward_core(
         *args,

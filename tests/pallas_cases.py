@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from detlogp_jax import contract as C
@@ -47,3 +49,13 @@ def entropy_fold_problem(n, ns, v, seed):
     a[10, ns // 2] = np.nan
     a[11, :] = oracle.f_mul(s[11, :], np.float32(-1e-30))
     return m, s, a, z_t, t, inv_t
+
+
+def swizzled_handoff(bucket: str, slices: int = 4):
+    """A ws bucket's config with the swizzled hand-off (`WsForwardConfig.handoff`), `slices`
+    8-column slices per epilogue step (4 or 8), named after both."""
+    from pallas_kernels import tuning
+
+    return dataclasses.replace(
+        tuning.BUCKETS[bucket], name=f"{bucket}_swz{slices}", handoff="swizzled", epilogue_slices=slices
+    )

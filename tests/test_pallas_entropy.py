@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle, reference
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import entropy_fold_problem
+from tests.pallas_cases import entropy_fold_problem, swizzled_handoff
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import sm90_fold, tuning  # noqa: E402
@@ -268,7 +268,7 @@ def test_kernel_entropy_batch_invariance_and_knobs():
     variants = list(tuning.BUCKETS.values()) + [
         dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3),
         dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2, epilogue_wgs=2, epilogue_slices=1),
-        dataclasses.replace(tuning.BUCKETS["decode"], name="x3", handoff="swizzled", epilogue_slices=4),
+        swizzled_handoff("decode"),
     ]
     for cfg in variants:
         out = _partials(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3, return_entropy=True)

@@ -13,8 +13,6 @@ Interpret mode is slow (~0.1-0.2 s per pipeline step); shapes are tiny and the
 larger cases are marked slow.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import fold_problem
+from tests.pallas_cases import fold_problem, swizzled_handoff
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
@@ -373,12 +371,9 @@ def test_each_kernel_builds_only_its_own_config():
         sm90_forward_wgmma.build(cfg=tuning.BUCKETS["prefill"], **kw)
 
 
-_SWIZZLED_PREFILL = dataclasses.replace(
-    tuning.BUCKETS["prefill"], name="swizzled", handoff="swizzled", epilogue_slices=4
+@pytest.mark.parametrize(
+    "bucket", ["decode", "prefill", swizzled_handoff("prefill")], ids=lambda b: getattr(b, "name", b)
 )
-
-
-@pytest.mark.parametrize("bucket", ["decode", "prefill", _SWIZZLED_PREFILL], ids=lambda b: getattr(b, "name", b))
 @pytest.mark.parametrize("v", [320, 325, 360])
 def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
     """logits_cols=vocab: [N, vocab] logits, the bytes of the full-width logits' first columns

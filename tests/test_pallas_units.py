@@ -22,6 +22,7 @@ from detlogp_jax import numerics, oracle
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import common, ptx_ops, ptx_programs, tile_math, tuning  # noqa: E402
+from tests.pallas_cases import swizzled_handoff  # noqa: E402
 
 
 def _same(a, b):
@@ -545,10 +546,7 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None, wei
     jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",))
 
 
-_SWIZZLED_HANDOFF = [
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="swizzled", handoff="swizzled", epilogue_slices=4),
-    dataclasses.replace(tuning.BUCKETS["decode"], name="swizzled8", handoff="swizzled", epilogue_slices=8),
-]
+_SWIZZLED_HANDOFF = [swizzled_handoff("prefill", 4), swizzled_handoff("decode", 8)]
 
 
 @pytest.mark.parametrize("bucket", [*sorted(tuning.BUCKETS), *_SWIZZLED_HANDOFF], ids=lambda b: getattr(b, "name", b))
@@ -657,7 +655,7 @@ _ENTROPY_VARIANTS = [
     dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="epi2", epilogue_wgs=2, epilogue_slices=1),
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="swizzled", handoff="swizzled", epilogue_slices=4),
+    swizzled_handoff("prefill", 4),
 ]
 
 

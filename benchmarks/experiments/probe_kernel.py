@@ -40,7 +40,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, pass1_8, handoff8).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8; pass1_8 ran at 14e5aad).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -472,19 +472,6 @@ def main(argv):
         p.generic(
             "residual7", "gemm (forward)", m, jax.jit(lambda h, w: baselines.gemm(h, w)), [(a[0], w) for a in arg_sets]
         )
-
-    if "pass1_8" in groups:
-        # The epilogue's pass 1 (eighth session, issue 18 item 3). Run at 14e5aad it timed the
-        # per-slice row maxima against lane-wise maxima with one row reduction per tile (same
-        # bytes; adopted since, h200_2026-12-01d/call1_probe_pass1_8_chunk7.log); now the shipped
-        # buckets, trainer and serving entries, next to the GEMM alone at the same M.
-        for base, ms in (("decode", (1, 64)), ("prefill", (512, 4096, 16384))):
-            for m in ms:
-                p.kernel("pass1_8", base, m, tuning.BUCKETS[base])
-                if m == 4096:
-                    p.kernel("pass1_8", f"{base} serving", m, tuning.BUCKETS[base], return_logits=True)
-                sets = [(h, p.w) for h, _ in p.sets(m)]
-                p.generic("pass1_8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
     if "handoff8" in groups:
         # The ws kernel's swizzled hand-off (WsForwardConfig.handoff, off; eighth session, for the
