@@ -396,3 +396,15 @@ def test_replot_draws_a_recorded_document(tmp_path):
     out = replot.replot(src, str(tmp_path / "fwd.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lowering_checks_say_what_the_kernel_plans_rely_on():
+    """benchmarks.experiments.lowering_checks (cited by docs/PERF_NOTES.md): global semaphores, a
+    TMA box past a [1, D] array and whole swizzled halves lower; a column slice of a swizzled ref
+    does not (why the swizzled hand-off slices halves in registers)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from benchmarks.experiments import lowering_checks as lc
+
+    got = {name: check() for name, check in lc.CHECKS.items()}
+    assert got["semaphores"] == got["oob_rows"] == got["swizzled_halves"] == "lowers", got
+    assert got["swizzled_column_slice"].startswith("refused"), got
