@@ -47,9 +47,9 @@ carries the entropy statistic A (`tile_math.chain_tile_sliced(..., a=)`: u reduc
 from the same slices with the tree of e) and stores it after z_t; the producer and
 wgmma warpgroups are unchanged.
 
-Hand-off layout (`WsForwardConfig.handoff`, bit-neutral): "slices" (shipped) keeps each tile
-as eight [bm, 8] column slices; "swizzled" (off: to be timed on the H200, probe group
-`handoff8`) as two [bm, 32] halves in 128B-swizzled rows: the wgmma warpgroups store 2 halves
+Hand-off layout (`WsForwardConfig.handoff`, bit-neutral): "slices" keeps each tile as eight
+[bm, 8] column slices; "swizzled" (both shipped ws buckets since the ninth session: ~1% faster
+on the H200, `tuning.BUCKETS`) as two [bm, 32] halves in 128B-swizzled rows: the wgmma warpgroups store 2 halves
 per tile instead of 8 slices, the epilogue loads a half once per 4 slices and slices it in
 registers (epilogue_slices 4 or 8), and the serving entry's logits leave in 2 TMA boxes of
 128-byte rows per tile instead of 8 of 32-byte rows (the logits' width then a multiple of 32).
@@ -360,25 +360,40 @@ def build(
                             tile = t0 + g * w + i  # global tile index
                             tcol0 = tile * TILE
                             # z = fl(acc + b), written back in place: both chain passes and the logits read z.
-                            # Each thread reads and rewrites the same addresses (the load and the store use
-                            # the same WGMMA layout), so no cross-thread hazard needs the barriers that
-                            # unsafe_no_auto_barriers removes.
-                            # (handoff="swizzled": the same per-lane add on [bm, 32] halves.)
+                            # "slices": each thread reads and rewrites the same addresses (the load and the
+                            # store use the same WGMMA layout), so no cross-thread hazard needs the barriers
+                            # that unsafe_no_auto_barriers removes. "swizzled": the same per-lane add on
+                            # [bm, 32] halves, but a swizzled half's load and store are not one thread's
+                            # addresses (without barriers the H200's trainer entry read halves before their
+                            # bias was added; interpret mode cannot show it:
+                            # benchmarks/results/h200_2026-12-01e/call3_handoff_check.log), so every thread
+                            # reads both halves, a barrier, then the rewrites, a barrier (the commit also
+                            # orders them before the logits' TMA stores).
                             n_parts, width = (2, 32) if swz else (8, 8)
-                            if has_bias:
+                            if has_bias and not swz:
                                 for j in range(n_parts):
                                     bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
                                     zj = load(dump.at[b, i, j], tile_l, interpret)
                                     dump.at[b, i, j][...] = tile_cast(
                                         ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width)))
                                     )
+                            elif has_bias:
+                                biased = []
+                                for j in range(n_parts):
+                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
+                                    zj = load(dump.at[b, i, j], tile_l, interpret)
+                                    biased.append(tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width)))))
+                                plgpu.commit_smem()  # every thread has read both halves
+                                for j in range(n_parts):
+                                    dump.at[b, i, j][...] = biased[j]
+                                plgpu.commit_smem()  # every half is rewritten before the chain (or a TMA store) reads it
                             if return_logits:
 
                                 @pl.when(
                                     (tile < t1) & (tcol0 - c0 < lg_cols)
                                 )  # padding tiles past the logits' width: none
                                 def _store():
-                                    if has_bias:
+                                    if has_bias and not swz:  # (swizzled: committed above)
                                         plgpu.commit_smem()
                                     for j in range(n_parts):
 

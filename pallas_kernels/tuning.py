@@ -272,6 +272,11 @@ def persistent_ctas(n_pad: int, n_local: int, cfg: ForwardConfig, max_ctas: int)
 
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).
+# Both ws buckets hand tiles to the epilogue as two swizzled [bm, 32] halves, 8 slices per
+# epilogue step (ninth session; same bytes; H200, kernel alone, against the eight-slice
+# hand-off with 2 slices per step: M = 4096 7.754 vs 7.857 ms, 16384 30.89 vs 31.13, 512 0.983
+# vs 0.980, decode M = 1 0.302 vs 0.306, M = 64 0.306 vs 0.310; the serving entry at M = 4096
+# 8.601 vs 8.678; benchmarks/results/h200_2026-12-01e/call1_probe_handoff8_chunk7.log).
 BUCKETS: dict[str, ForwardConfig] = {
     # One row block of 64; the 264 splits spread over all SMs (2 per CTA),
     # deep TMA pipeline to keep ~4 TB/s of weight streaming in flight. The chain
@@ -281,7 +286,14 @@ BUCKETS: dict[str, ForwardConfig] = {
     # with the chain in the wgmma warpgroup at 6 stages;
     # benchmarks/results/h200_2026-11-30d/probe_decode_ws.jsonl).
     "decode": WsForwardConfig(
-        "decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5, ctas_per_sm=1, epilogue_wgs=1
+        "decode",
+        block_m=64,
+        num_compute_wgs=1,
+        max_concurrent_steps=5,
+        ctas_per_sm=1,
+        epilogue_wgs=1,
+        epilogue_slices=8,
+        handoff="swizzled",
     ),
     # Two consumer warpgroups, 64 rows each, the chain between tile groups (sm90_forward_wgmma).
     "small": WgmmaForwardConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
@@ -293,7 +305,15 @@ BUCKETS: dict[str, ForwardConfig] = {
     # benchmarks/results/h200_2026-11-30c/probe_ws3.jsonl). Work items in groups
     # of 4 splits so the CTAs running at once share hidden rows in L2.
     "prefill": WsForwardConfig(
-        "prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3, ctas_per_sm=1, split_group=4, epilogue_wgs=1
+        "prefill",
+        block_m=64,
+        num_compute_wgs=2,
+        max_concurrent_steps=3,
+        ctas_per_sm=1,
+        split_group=4,
+        epilogue_wgs=1,
+        epilogue_slices=8,
+        handoff="swizzled",
     ),
 }
 

@@ -51,11 +51,12 @@ def entropy_fold_problem(n, ns, v, seed):
     return m, s, a, z_t, t, inv_t
 
 
-def swizzled_handoff(bucket: str, slices: int = 4):
-    """A ws bucket's config with the swizzled hand-off (`WsForwardConfig.handoff`), `slices`
-    8-column slices per epilogue step (4 or 8), named after both."""
+def handoff_variant(bucket: str, handoff: str, slices: int):
+    """A ws bucket's config with the hand-off layout `handoff` (`WsForwardConfig.handoff`:
+    "slices" or "swizzled") and `slices` 8-column slices per epilogue step, named after both;
+    e.g. the eight-slice layout the shipped swizzled buckets replaced."""
     from pallas_kernels import tuning
 
     return dataclasses.replace(
-        tuning.BUCKETS[bucket], name=f"{bucket}_swz{slices}", handoff="swizzled", epilogue_slices=slices
+        tuning.BUCKETS[bucket], name=f"{bucket}_{handoff}{slices}", handoff=handoff, epilogue_slices=slices
     )

@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle, reference
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import entropy_fold_problem, swizzled_handoff
+from tests.pallas_cases import entropy_fold_problem, handoff_variant
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import sm90_fold, tuning  # noqa: E402
@@ -267,8 +267,10 @@ def test_kernel_entropy_batch_invariance_and_knobs():
     ref_h = pk.fold(*ref[:3], t[probe], inv_t[probe], v, a=ref[5], interpret=True)[2]
     variants = list(tuning.BUCKETS.values()) + [
         dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3),
-        dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2, epilogue_wgs=2, epilogue_slices=1),
-        swizzled_handoff("decode"),
+        dataclasses.replace(
+            tuning.BUCKETS["prefill"], name="x2", split_group=2, epilogue_wgs=2, epilogue_slices=1, handoff="slices"
+        ),
+        handoff_variant("decode", "slices", 2),
     ]
     for cfg in variants:
         out = _partials(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3, return_entropy=True)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import fold_problem, swizzled_handoff
+from tests.pallas_cases import fold_problem, handoff_variant
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
@@ -372,7 +372,7 @@ def test_each_kernel_builds_only_its_own_config():
 
 
 @pytest.mark.parametrize(
-    "bucket", ["decode", "prefill", swizzled_handoff("prefill")], ids=lambda b: getattr(b, "name", b)
+    "bucket", ["decode", "prefill", handoff_variant("prefill", "slices", 2)], ids=lambda b: getattr(b, "name", b)
 )
 @pytest.mark.parametrize("v", [320, 325, 360])
 def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):

@@ -22,7 +22,7 @@ from detlogp_jax import numerics, oracle
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import common, ptx_ops, ptx_programs, tile_math, tuning  # noqa: E402
-from tests.pallas_cases import swizzled_handoff  # noqa: E402
+from tests.pallas_cases import handoff_variant  # noqa: E402
 
 
 def _same(a, b):
@@ -259,10 +259,11 @@ def test_shipped_configs_are_pinned():
             split_group=0,
             epilogue_wgs=1,
             mma_registers=0,
-            epilogue_slices=2,
+            epilogue_slices=8,
             tile_k=64,
             auto_barriers=False,
             cluster=1,
+            handoff="swizzled",
         ),
         "small": tuning.WgmmaForwardConfig(
             "small",
@@ -283,10 +284,11 @@ def test_shipped_configs_are_pinned():
             split_group=4,
             epilogue_wgs=1,
             mma_registers=0,
-            epilogue_slices=2,
+            epilogue_slices=8,
             tile_k=64,
             auto_barriers=False,
             cluster=1,
+            handoff="swizzled",
         ),
     }
     assert tuning.FOLD == tuning.FoldConfig(staged=True, rows=32, chunk=64, unroll=None)
@@ -546,10 +548,10 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None, wei
     jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",))
 
 
-_SWIZZLED_HANDOFF = [swizzled_handoff("prefill", 4), swizzled_handoff("decode", 8)]
+_OTHER_HANDOFFS = [handoff_variant("prefill", "swizzled", 4), handoff_variant("decode", "slices", 2)]
 
 
-@pytest.mark.parametrize("bucket", [*sorted(tuning.BUCKETS), *_SWIZZLED_HANDOFF], ids=lambda b: getattr(b, "name", b))
+@pytest.mark.parametrize("bucket", [*sorted(tuning.BUCKETS), *_OTHER_HANDOFFS], ids=lambda b: getattr(b, "name", b))
 def test_forward_lowers_for_cuda(bucket):
     """Every bucket (and the swizzled hand-off of the ws kernel: its [bm, 32] halves stored from
     the accumulator, loaded whole and sliced in registers, TMA-stored as logits) lowers for CUDA."""
@@ -567,7 +569,7 @@ _DV_VARIANTS = [
     dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="tile_k32", tile_k=32, epilogue_slices=4),
-    *_SWIZZLED_HANDOFF,
+    *_OTHER_HANDOFFS,
 ]
 
 
@@ -654,8 +656,8 @@ _ENTROPY_VARIANTS = [
     *sorted(tuning.BUCKETS),
     dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
     dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="epi2", epilogue_wgs=2, epilogue_slices=1),
-    swizzled_handoff("prefill", 4),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="epi2", epilogue_wgs=2, epilogue_slices=1, handoff="slices"),
+    handoff_variant("prefill", "slices", 2),
 ]
 
 
