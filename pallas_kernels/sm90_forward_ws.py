@@ -363,9 +363,9 @@ def build(
                             # "slices": each thread reads and rewrites the same addresses (the load and the
                             # store use the same WGMMA layout), so no cross-thread hazard needs the barriers
                             # that unsafe_no_auto_barriers removes. "swizzled": the same per-lane add on
-                            # [bm, 32] halves, but a swizzled half's load and store are not one thread's
-                            # addresses (without barriers the H200's trainer entry read halves before their
-                            # bias was added; interpret mode cannot show it:
+                            # [bm, 32] halves, but a swizzled half's load and store are evidently not one
+                            # thread's addresses (without barriers the H200's trainer entry read halves before
+                            # their bias was added; interpret mode cannot show it:
                             # benchmarks/results/h200_2026-12-01e/call3_handoff_check.log), so every thread
                             # reads both halves, a barrier, then the rewrites, a barrier (the commit also
                             # orders them before the logits' TMA stores).
