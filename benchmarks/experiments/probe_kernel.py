@@ -474,19 +474,20 @@ def main(argv):
         )
 
     if "handoff8" in groups:
-        # The ws kernel's swizzled hand-off (WsForwardConfig.handoff, off; eighth session, for the
-        # serving entry's logits stores and the residual mode's forward, issue 18 items 2-3): two
-        # [bm, 32] halves per tile (2 TMA boxes of 128 B rows instead of 8 of 32 B) with 4 or 8
-        # slices per epilogue step, against the shipped buckets; same bytes required.
+        # The ws kernel's hand-off layouts (WsForwardConfig.handoff; issue 18 items 2-3): the
+        # shipped buckets (two swizzled [bm, 32] halves per tile, 8 slices per step since the
+        # ninth session) against the eight-slice layout they replaced (2 slices per step) and the
+        # swizzled one with 4; same bytes required. (At 15f885d, where it ran first, the
+        # shipped layout was the eight-slice one and the variants swizzled with 4 and 8.)
         for base, ms in (("prefill", (4096, 16384, 512)), ("decode", (1, 64))):
             for m in ms:
                 entries = (False, True) if m in (4096, 1) else (False,)
                 for logits in entries:
                     tag = " serving" if logits else ""
                     p.kernel("handoff8", f"{base}{tag}", m, tuning.BUCKETS[base], return_logits=logits)
-                    for sps in (4, 8):
-                        cfg = _v(base, f"{base}_swz{sps}", handoff="swizzled", epilogue_slices=sps)
-                        p.kernel("handoff8", f"{base} swizzled sps{sps}{tag}", m, cfg, return_logits=logits)
+                    for handoff, sps in (("slices", 2), ("swizzled", 4)):
+                        cfg = _v(base, f"{base}_{handoff}{sps}", handoff=handoff, epilogue_slices=sps)
+                        p.kernel("handoff8", f"{base} {handoff} sps{sps}{tag}", m, cfg, return_logits=logits)
                 sets = [(h, p.w) for h, _ in p.sets(m)]
                 p.generic("handoff8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 

@@ -18,7 +18,7 @@
 #             (default decode7: decode kernel variants, pipeline depth, tile_k 32, two CTAs per SM,
 #             next to the GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's
 #             pieces at M = 4096; chunk7: the recompute backward's time and temp bytes per vocab chunk;
-#             handoff8: the swizzled hand-off vs the shipped ws buckets, trainer and serving;
+#             handoff8: the shipped ws buckets (swizzled hand-off) vs the eight-slice layout, trainer and serving;
 #             pass1_8 is at 14e5aad)
 # Everything lands in $OUT/results.tgz (RESULTS_NAME). Run from the repo root on the device.
 set -u

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Contract re-validation after a kernel change (nvidia-h200), one call of <= ~9.7 minutes
 # (third session: GPU pytest 123 s + the logits_cols/inv_t tests, ladder 243 s, golden 41 s;
-# eighth session: ladder 222 s, golden ~40 s):
+# eighth session: ladder 222 s, golden ~40 s; ninth: ladder 211 s, golden 84 s):
 # GPU pytest (gradients, fold layouts, kernel vs oracle), the ladder (all stages),
 # the golden REPLAY (the records must not change). Benchmarks: tests/gpu/h200_bench.sh.
 # Stages (VALIDATE_STAGES, comma-separated; default all, in this order): pytest (VALIDATE_PYTEST:
