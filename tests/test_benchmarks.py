@@ -421,3 +421,24 @@ def test_handoff_check_runs_and_agrees_in_interpret_mode(capsys):
     assert handoff_check.main(["--interpret", "--only", "swz8"]) == 0
     out = capsys.readouterr().out
     assert out.count(" same ") == 2 and "DIFF" not in out, out
+
+
+def test_mosaic_ir_hashes_lowers_every_forward_variant_at_the_small_shape(monkeypatch):
+    """benchmarks.mosaic_ir_hashes (the restructure guard) builds every forward variant at its small
+    shape with the static arguments the wrapper would pass (the ninth session's swizzled buckets
+    crashed it: a 1000-column logits width, not a multiple of 32): one 16-hex digest per variant,
+    distinct names, and the trainer / serving modules differ."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from benchmarks import mosaic_ir_hashes as mh
+
+    monkeypatch.setattr(mh, "SHAPES", [s for s in mh.SHAPES if s[1] == 72])
+    # _capture_modules wraps Mosaic's serializer for the process: restored after the test.
+    monkeypatch.setattr(mh.mosaic_core, "_run_serde_pass", mh.mosaic_core._run_serde_pass)
+    monkeypatch.setattr(mh, "_captured", [])
+    mh._capture_modules()
+    got = dict((name, digest) for name, digest in mh.forward_hashes())
+    assert len(got) == 4 * len(mh._forward_configs()), sorted(got)
+    assert all(len(d) == 16 and int(d, 16) >= 0 for d in got.values())
+    for name in got:
+        if "logits=False" in name:
+            assert got[name] != got[name.replace("logits=False", "logits=True")], name
