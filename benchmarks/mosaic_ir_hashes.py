@@ -103,9 +103,6 @@ def forward_hashes(entropy: bool = False):
         tag = (" entropy" if entropy else "") + tag
         for name, cfg in configs.items():
             n_pad = tuning.padded_rows(m, cfg)
-            # The logits width the wrapper passes for logits_cols=v (a multiple of the config's column multiple).
-            align = tuning.logits_col_multiple(cfg)
-            lg_cols = v if v % align == 0 else -(-v_rows // align) * align
             for logits in (False, True):
                 for bias in (False, True) if not (entropy and layout == "dv") else (False,):
                     args = [_sds((n_pad, d), jnp.bfloat16), _sds(w_shape, jnp.bfloat16)]
@@ -117,7 +114,7 @@ def forward_hashes(entropy: bool = False):
                         args,
                         n_pad=n_pad,
                         d=d,
-                        lg_cols=lg_cols,
+                        lg_cols=tuning.logits_width(cfg, v, v_rows, logits),  # as for logits_cols=v
                         geom=geom,
                         cfg=cfg,
                         has_bias=bias,

@@ -81,8 +81,8 @@ from detlogp_jax import vma
 
 # Bit-neutral for the forward; fixes the backward's sums. 4096 since the eighth session: the
 # compiled fwd+bwd program's temp memory at M=4096 on the Qwen3-8B head is 234.9 MB, 1.092x hidden +
-# weight + their gradients (8192: 1.14x), for ~0.6 ms more backward (H200:
-# h200_2026-12-01d/call3_fwd_bwd_recompute.json, h200_2026-12-01d/call1_probe_pass1_8_chunk7.log).
+# weight + their gradients (8192: 320.1 MiB, 1.13x), for ~0.8 ms more fwd+bwd (H200:
+# h200_2026-12-01d/call3_fwd_bwd_recompute.json, h200_2026-12-01e/call1_probe_handoff8_chunk7.log).
 DEFAULT_CHUNK = 4096
 
 

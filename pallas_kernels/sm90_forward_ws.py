@@ -370,22 +370,20 @@ def build(
                             # reads both halves, a barrier, then the rewrites, a barrier (the commit also
                             # orders them before the logits' TMA stores).
                             n_parts, width = (2, 32) if swz else (8, 8)
+
+                            def biased(j):  # fl(z + b) of part j (a slice, or a swizzled half)
+                                bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
+                                zj = load(dump.at[b, i, j], tile_l, interpret)
+                                return tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width))))
+
                             if has_bias and not swz:
                                 for j in range(n_parts):
-                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
-                                    zj = load(dump.at[b, i, j], tile_l, interpret)
-                                    dump.at[b, i, j][...] = tile_cast(
-                                        ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width)))
-                                    )
+                                    dump.at[b, i, j][...] = biased(j)
                             elif has_bias:
-                                biased = []
-                                for j in range(n_parts):
-                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
-                                    zj = load(dump.at[b, i, j], tile_l, interpret)
-                                    biased.append(tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width)))))
+                                parts = [biased(j) for j in range(n_parts)]
                                 plgpu.commit_smem()  # every thread has read both halves
                                 for j in range(n_parts):
-                                    dump.at[b, i, j][...] = biased[j]
+                                    dump.at[b, i, j][...] = parts[j]
                                 plgpu.commit_smem()  # every half is rewritten before the chain (or a TMA store) reads it
                             if return_logits:
 

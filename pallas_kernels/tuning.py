@@ -251,10 +251,17 @@ class DzConfig:
         return self.block_m * self.num_compute_wgs
 
 
-def logits_col_multiple(cfg: ForwardConfig) -> int:
-    """The multiple of columns the kernel's logits array needs: 8 (TMA row strides, the staging
-    swizzle), 32 with the ws kernel's swizzled hand-off (its [rows, 32] boxes tile the columns)."""
-    return 32 if getattr(cfg, "handoff", "slices") == "swizzled" else 8
+def logits_width(cfg: ForwardConfig, want_cols: int, v_rows: int, return_logits: bool) -> int:
+    """The logits width the kernel writes for `want_cols` wanted columns of a weight with `v_rows`
+    vocab entries: `want_cols` itself when the serving entry asks for logits and it is a multiple
+    of the config's column multiple (8 for TMA row strides and the staging swizzle, 32 with the ws
+    kernel's swizzled hand-off, whose [rows, 32] boxes tile the columns), else `v_rows` rounded up
+    to that multiple (the caller slices). The trainer entry writes no logits (any width builds the
+    same kernel)."""
+    align = 32 if getattr(cfg, "handoff", "slices") == "swizzled" else 8
+    if return_logits and want_cols % align == 0:
+        return want_cols
+    return -(-v_rows // align) * align
 
 
 def padded_rows(n_rows: int, cfg: ForwardConfig) -> int:
@@ -428,7 +435,7 @@ __all__ = [
     "select_bucket",
     "tiles_per_group",
     "padded_rows",
-    "logits_col_multiple",
+    "logits_width",
     "persistent_ctas",
     "pipeline_stages",
     "stage_bytes",

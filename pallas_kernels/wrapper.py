@@ -227,9 +227,7 @@ def _launch(
     want_cols = v_rows if logits_cols is None else int(logits_cols)
     if not 1 <= want_cols <= v_rows:
         raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
-    # The kernel's logits width: a multiple of the config's column multiple, else sliced after.
-    align = tuning.logits_col_multiple(cfg)
-    lg_cols = want_cols if (return_logits and want_cols % align == 0) else -(-v_rows // align) * align
+    lg_cols = tuning.logits_width(cfg, want_cols, v_rows, return_logits)  # else sliced after
     outs = _forward_core(
         *args,
         n_pad=n_pad,
