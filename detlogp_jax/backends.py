@@ -69,6 +69,33 @@ class DzKernel:
     row_multiple: int
     layouts: frozenset = frozenset({"vd"})  # weight layouts of w_c it takes ("vd": [chunk, D], "dv": [D, chunk])
     entropy: bool = False  # takes the entropy term (c3, h); see above
+    in_place: "InPlaceWalk | None" = None  # kernels that walk the chunks without copies; see InPlaceWalk
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceWalk:
+    """A backend's chunk walk without weight-chunk or dW-chunk copies (`DzKernel.in_place`).
+
+    grad.backward uses it instead of slicing the weight and running XLA's gradient GEMMs
+    when `supports(n_pad, d, v_rows, chunk, weight_layout)` holds (n_pad: the padded rows):
+    per chunk [start, start + chunk), with bounds = int32 [3] (start, lo, hi) (absolute
+    columns; start a multiple of `start_multiple`),
+      dz = dz(hidden_p, weight, bias, targets, inv_t, lse, c1, c2, bounds, chunk=, c3=, h=,
+              weight_layout=)    -- `DzKernel.fn`'s dz, with the whole weight / bias and
+                                    absolute targets
+      dh = dh(dh, dz, weight, start, weight_layout=)   -- dh + dz @ W_c, FP32, in dh's buffer
+      dW = dw(dW, dz, hidden_p, start, col0=, cols=, weight_layout=)
+                                 -- dW's rows (or [D, V] columns) [start, start + cols) set
+                                    to dz[:, col0 : col0 + cols].T @ hidden_p, in dW's buffer
+    `dw_cols_supported(cols)`: whether `dw` takes a last chunk's `cols` new columns (else
+    grad.backward forms those few rows with XLA)."""
+
+    dz: Callable
+    dh: Callable
+    dw: Callable
+    supports: Callable[..., bool]
+    dw_cols_supported: Callable[[int], bool]
+    start_multiple: int
 
 
 @dataclasses.dataclass(frozen=True)

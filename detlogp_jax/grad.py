@@ -423,5 +423,61 @@ def _backward_fused_dz(
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
     v_axis = 0 if weight_layout == "vd" else 1
-    dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, v_axis)
+    walk = dz.in_place
+    if walk is not None and walk.supports(n_pad, hidden.shape[1], weight.shape[v_axis], chunk, weight_layout):
+        dh, dw, db = _in_place_walk(
+            walk, hp, weight, bias, tp, (it, lp, c1p, c2p), ent_kw, vocab_size, chunk, weight_layout, operands
+        )
+    else:
+        dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, v_axis)
     return dh[:n].astype(hidden.dtype), dw, db
+
+
+def _in_place_walk(walk, hp, weight, bias, targets, rows, ent_kw, vocab_size, chunk, weight_layout, operands):
+    """`_chunk_walk` of the fused dz kernel with a backend's `backends.InPlaceWalk`: the same
+    chunks in the same order (q full chunks in a scan, then the last one clamped to end at
+    the last row, its first chunk - r columns getting no gradient), but the dz kernel and
+    the dh GEMM read the weight at the chunk's offset and the dW GEMM writes dW at it, and
+    dh is accumulated in its own buffer (no weight-chunk copy, no dW-chunk copy, no dh add).
+    db (with a bias) is the chunk's column sum of dz written at the offset. Returns (dh
+    [n_pad, D] f32, dW in the weight's layout and dtype, db or None)."""
+    v_axis = 0 if weight_layout == "vd" else 1
+    v_rows = weight.shape[v_axis]
+    n_full, tail = divmod(v_rows, chunk)
+
+    bias32 = None if bias is None else bias.astype(jnp.float32)
+
+    def step(carry, bounds, col0=0):
+        dh, dw, db = carry
+        start = bounds[0]
+        dz = walk.dz(hp, weight, bias32, targets, *rows, bounds, chunk=chunk, weight_layout=weight_layout, **ent_kw)
+        dh = walk.dh(dh, dz, weight, start, weight_layout=weight_layout)
+        new = start + col0  # the first dW row (column) this chunk writes
+        if col0 == 0 or walk.dw_cols_supported(chunk - col0):
+            dw = walk.dw(dw, dz, hp, new, col0=col0, cols=chunk - col0, weight_layout=weight_layout)
+        else:  # a last chunk's few new columns the kernel does not tile: XLA forms those rows
+            dz_new = dz[:, col0:]
+            dw_new = jnp.einsum(
+                "nv,nd->vd" if v_axis == 0 else "nv,nd->dv", dz_new, hp, preferred_element_type=weight.dtype
+            )
+            dw = lax.dynamic_update_slice_in_dim(dw, dw_new.astype(weight.dtype), new, axis=v_axis)
+        if db is not None:
+            db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz[:, col0:].astype(jnp.float32), axis=0), new, axis=0)
+        return vma.like((dh, dw, db), *operands)
+
+    init = (
+        jnp.zeros(hp.shape, jnp.float32),
+        lax.empty(weight.shape, weight.dtype),  # every row is written once (see _chunk_walk)
+        None if bias is None else lax.empty(bias.shape, jnp.float32),
+    )
+    init = vma.like(init, *operands)
+    table = jnp.asarray(
+        [[i * chunk, i * chunk, vocab_size] for i in range(n_full)], jnp.int32
+    )  # (start, lo, hi) per chunk: a constant of the program
+    carry, _ = lax.scan(lambda c, b: (step(c, b), None), init, table)
+    if tail:
+        last = v_rows - chunk
+        bounds = jnp.asarray([last, n_full * chunk, vocab_size], jnp.int32)
+        carry = step(carry, bounds, col0=chunk - tail)
+    dh, dw, db = carry
+    return dh, dw, (None if bias is None else db.astype(bias.dtype))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from detlogp_jax.backends import Backend, DzKernel
+from detlogp_jax.backends import Backend, DzKernel, InPlaceWalk
 
 # Whether the registry entry declares the entropy statistic (`linear-logp-entropy-v1`,
 # `Backend.entropy`; the kernels compute it: `partials(..., return_entropy=True)`,
@@ -22,7 +22,7 @@ ENTROPY_VALIDATED = True
 def backend_entry() -> Backend:
     """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
     import pallas_kernels as pk
-    from pallas_kernels import sm90_dz, wrapper
+    from pallas_kernels import sm90_dz, sm90_grad_gemm, wrapper
 
     return Backend(
         name="pallas_sm90",
@@ -50,6 +50,19 @@ def backend_entry() -> Backend:
             row_multiple=sm90_dz.ROWS_PER_CTA,
             layouts=frozenset({"vd", "dv"}),
             entropy=True,
+            # The chunk walk without copies: the dz kernel and the dh GEMM read the weight at the
+            # chunk's offset, the dW GEMM writes dW at it (sm90_grad_gemm); grad.backward keeps
+            # XLA's GEMMs on slices where these kernels do not tile the operands.
+            in_place=InPlaceWalk(
+                dz=sm90_dz.dz_in_place,
+                dh=sm90_grad_gemm.dh_accumulate,
+                dw=sm90_grad_gemm.dw_write,
+                supports=lambda n_pad, d, v_rows, chunk, weight_layout: (
+                    v_rows % sm90_grad_gemm.START_MULTIPLE == 0 and sm90_grad_gemm.supported(n_pad, d, chunk)
+                ),
+                dw_cols_supported=sm90_grad_gemm.cols_supported,
+                start_multiple=sm90_grad_gemm.START_MULTIPLE,
+            ),
         ),
         description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
         knobs=frozenset({"bucket", "num_ctas"}),

@@ -62,8 +62,14 @@ def build(
     cfg: tuning.DzConfig = tuning.DZ,
     has_entropy: bool = False,
     weight_layout: str = "vd",
+    in_place: bool = False,
 ):
-    """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, [c3, h], bounds) -> dz [n_pad, chunk] bf16."""
+    """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, [c3, h], bounds) -> dz [n_pad, chunk] bf16.
+
+    in_place: w_c is the whole weight, bias_c the whole bias, bounds = (start, lo, hi) with
+    the chunk's first column `start` (a multiple of 64) and lo, hi and the targets absolute
+    columns (`dz_in_place`); else w_c / bias_c are the chunk's slices and bounds = (lo, hi),
+    targets and bounds relative to the chunk."""
     if not isinstance(cfg, tuning.DzConfig):
         raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
     dv = common.check_weight_layout(weight_layout)
@@ -92,9 +98,16 @@ def build(
         c3_gmem, hh_gmem = refs[7:9] if has_entropy else (None, None)
         bnd_gmem, dz_out = refs[-2:]
 
+        # The chunk's first column in w_gmem / b_gmem (0: they are the chunk's slices).
+        if in_place:
+            base = pl.multiple_of(bnd_gmem[0], 64)
+            shift = lambda x: base + x
+        else:
+            shift = lambda x: x  # (no add traced: the module is the slices' kernel as before)
+
         def w_block(col0):
-            """The weight slice's columns [col0, col0 + block_n) in its own layout."""
-            return w_gmem.at[:, pl.ds(col0, block_n)] if dv else w_gmem.at[pl.ds(col0, block_n), :]
+            """The chunk's columns [col0, col0 + block_n) in the weight's own layout."""
+            return w_gmem.at[:, pl.ds(shift(col0), block_n)] if dv else w_gmem.at[pl.ds(shift(col0), block_n), :]
 
         def get_pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -121,8 +134,8 @@ def build(
         )
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            lo = bnd_gmem[0]
-            hi = bnd_gmem[1]
+            lo = bnd_gmem[1 if in_place else 0]
+            hi = bnd_gmem[2 if in_place else 1]
 
             @plgpu.nd_loop((n_rb * n_cb,), collective_axes="cta")
             def _work(info):
@@ -152,9 +165,9 @@ def build(
                             c = col0 + i * TILE
                             z = z_all[:, i * TILE : (i + 1) * TILE]
                             if has_bias:
-                                b = load(b_gmem.at[pl.ds(c, TILE)], col_l)
+                                b = load(b_gmem.at[pl.ds(shift(c), TILE)], col_l)
                                 z = z + jnp.broadcast_to(b[None, :], (bm, TILE))
-                            col = col_iota + c
+                            col = col_iota + shift(c)  # the column in the targets' and bounds' frame
                             u = z * bc(invt) - bc(lse)
                             if has_entropy:  # keep c3 * u finite where p = 0 (see U_FLOOR)
                                 u = jnp.maximum(u, jnp.full((bm, TILE), U_FLOOR, F32))
@@ -206,6 +219,7 @@ def build(
         "interpret_params",
         "has_entropy",
         "weight_layout",
+        "in_place",
     ),
 )
 def _dz_core(*args, **static):
@@ -247,27 +261,104 @@ def dz_chunk(
     gradient. c3, h: [n_pad] f32, both or neither: the entropy term (c3 = -inv_t * g_H,
     h the forward's entropy; 0 on padding rows).
     """
+    chunk = w_c.shape[1 if common.check_weight_layout(weight_layout) else 0]
+    bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
+    return _launch(
+        hidden_p,
+        w_c,
+        bias_c,
+        targets_c,
+        (inv_t, lse, c1, c2),
+        c3,
+        h,
+        bounds,
+        chunk,
+        False,
+        weight_layout,
+        interpret,
+        interpret_params,
+        num_ctas,
+    )
+
+
+def dz_in_place(
+    hidden_p,
+    weight,
+    bias,
+    targets,
+    inv_t,
+    lse,
+    c1,
+    c2,
+    bounds,
+    *,
+    chunk: int,
+    c3=None,
+    h=None,
+    weight_layout: str = "vd",
+    interpret: bool = False,
+    interpret_params=None,
+    num_ctas: int | None = None,
+):
+    """`dz_chunk` of the chunk [start, start + chunk) read in place from the whole weight (and bias):
+    no slice of either is copied. bounds: int32 [3] = (start, lo, hi), start a multiple of 64 with
+    start + chunk <= the weight's vocab entries; lo, hi and `targets` are absolute columns (dz = 0
+    outside lo <= col < hi). The bytes are `dz_chunk`'s for the same chunk (the same wgmma sequence
+    on the same K slices, the same per-element arithmetic)."""
+    return _launch(
+        hidden_p,
+        weight,
+        bias,
+        targets,
+        (inv_t, lse, c1, c2),
+        c3,
+        h,
+        bounds,
+        chunk,
+        True,
+        weight_layout,
+        interpret,
+        interpret_params,
+        num_ctas,
+    )
+
+
+def _launch(
+    hidden_p,
+    w,
+    bias,
+    targets,
+    rows,
+    c3,
+    h,
+    bounds,
+    chunk,
+    in_place,
+    weight_layout,
+    interpret,
+    interpret_params,
+    num_ctas,
+):
     if (c3 is None) != (h is None):
         raise ValueError("the entropy term needs both c3 and h")
     n_pad, d = hidden_p.shape
-    chunk = w_c.shape[1 if common.check_weight_layout(weight_layout) else 0]
     work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
     if num_ctas is None:
         num_ctas = 2 if interpret else tuning.default_num_sms()
     num_ctas = max(1, min(int(num_ctas), work))
-    bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
-    args = [hidden_p, w_c] + ([bias_c.astype(F32)] if bias_c is not None else [])
-    args += [targets_c.astype(jnp.int32), inv_t.astype(F32), lse.astype(F32), c1.astype(F32), c2.astype(F32)]
-    args += ([c3.astype(F32), h.astype(F32)] if c3 is not None else []) + [bounds]
+    args = [hidden_p, w] + ([bias.astype(F32)] if bias is not None else [])
+    args += [targets.astype(jnp.int32)] + [r.astype(F32) for r in rows]
+    args += ([c3.astype(F32), h.astype(F32)] if c3 is not None else []) + [bounds.astype(jnp.int32)]
     return _dz_core(
         *args,
         n_pad=n_pad,
         d=d,
         chunk=chunk,
-        has_bias=bias_c is not None,
+        has_bias=bias is not None,
         num_ctas=num_ctas,
         interpret=interpret,
         interpret_params=interpret_params,
         has_entropy=c3 is not None,
         weight_layout=weight_layout,
+        in_place=in_place,
     )

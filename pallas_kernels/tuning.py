@@ -278,6 +278,42 @@ def persistent_ctas(n_pad: int, n_local: int, cfg: ForwardConfig, max_ctas: int)
     return max(cl, min(max_ctas, work) // cl * cl)
 
 
+@dataclasses.dataclass(frozen=True)
+class GradGemmConfig:
+    """The backward's in-place gradient GEMMs (`sm90_grad_gemm`): dh += dz @ W_c and dW_c = dz.T @ h.
+
+    A CTA computes a [tile_m, 2 * tile_n] output tile, one [tile_m, tile_n] half per consumer
+    warpgroup, over K in 64-wide steps (one FP32 accumulator per element, K ascending). Work
+    items (output tiles) are ordered in groups of `col_group` column tiles, the column tile
+    fastest inside a group (0: row tiles fastest). Every element's sum is the same walk over K
+    whatever tile_m, max_concurrent_steps and col_group are (only where and when it runs
+    changes); tile_n is the wgmma instruction's N, which the backward keeps fixed too. The
+    backward is deterministic (same bytes run to run), not part of the frozen contract."""
+
+    tile_m: int = 128  # output rows per CTA (wgmma M: 64 or 128)
+    tile_n: int = 128  # output columns per consumer warpgroup (wgmma N)
+    max_concurrent_steps: int = 4  # pipeline depth
+    col_group: int = 8  # work order (see above)
+
+    def __post_init__(self):
+        _require(self.tile_m in (64, 128), self, f"tile_m must be 64 or 128, got {self.tile_m}")
+        _require(self.tile_n in (64, 128, 256), self, f"tile_n must be 64, 128 or 256, got {self.tile_n}")
+        _require(
+            _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
+            self,
+            f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}",
+        )
+        _require(
+            _is_int(self.col_group) and self.col_group >= 0,
+            self,
+            f"col_group must be an int >= 0, got {self.col_group}",
+        )
+
+    @property
+    def cta_n(self) -> int:
+        return 2 * self.tile_n
+
+
 # M-bucketed launch table. Every entry must give identical bytes (tested).
 # Both ws buckets hand tiles to the epilogue as two swizzled [bm, 32] halves, 8 slices per
 # epilogue step (ninth session; same bytes; H200, kernel alone, against the eight-slice
@@ -324,9 +360,12 @@ BUCKETS: dict[str, ForwardConfig] = {
     ),
 }
 
-# The fold's and the dz kernel's shipped configs.
+# The fold's and the dz kernel's shipped configs; the gradient GEMMs' (dh: FP32
+# in and out, so one stage fewer for its FP32 staging tiles).
 FOLD = FoldConfig()
 DZ = DzConfig()
+DH_GEMM = GradGemmConfig(max_concurrent_steps=3)
+DW_GEMM = GradGemmConfig()
 
 # Shared memory the TMA pipeline may use per CTA (H200: 227 KiB per block;
 # the rest is left for the logits staging tiles and barriers).

@@ -191,3 +191,164 @@ def test_fused_path_padding_rows_get_no_gradient_with_a_large_bias():
         assert np.isfinite(np.asarray(g, np.float32)).all(), name
         assert rel_err(g, e) < 1e-2, (name, rel_err(g, e))
     assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0
+
+
+def _interpret_walk():
+    """The pallas_sm90 backend's in-place walk (`backends.InPlaceWalk`) with its kernels in interpret mode."""
+    import functools
+
+    walk = backends.get("pallas_sm90").dz.in_place
+    it = functools.partial
+    return dataclasses.replace(
+        walk,
+        dz=it(walk.dz, interpret=True),
+        dh=it(walk.dh, interpret=True),
+        dw=it(walk.dw, interpret=True),
+    )
+
+
+def _walk_case(rng, n, d, v_rows, vocab):
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v_rows, d)) * 0.2, jnp.bfloat16)
+    b = np.asarray(rng.standard_normal(v_rows) * 0.1, np.float32)
+    b[[8, 900]] = -np.inf
+    t = rng.integers(0, vocab, n).astype(np.int32)
+    t[2], t[3], t[4] = -100, vocab - 1, v_rows - 1  # ignored, the last real column, a padding column
+    inv_t = jnp.asarray(rng.uniform(0.6, 1.4, n), jnp.float32)
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T + b.astype(np.float64)
+    y = z * np.asarray(inv_t, np.float64)[:, None]
+    y[:, vocab:] = -np.inf
+    lse64 = np.log(np.exp(y - y.max(1, keepdims=True)).sum(1)) + y.max(1)
+    p64 = np.exp(y - lse64[:, None])
+    ent = jnp.asarray(-(p64 * np.where(p64 > 0, y - lse64[:, None], 0)).sum(1), jnp.float32)
+    g = lambda: jnp.asarray(rng.standard_normal(n), jnp.float32)
+    return h, w, jnp.asarray(b), jnp.asarray(t), inv_t, jnp.asarray(lse64, jnp.float32), g(), g(), ent, g()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,entropy,v_rows",
+    [("vd", False, 1280), ("dv", True, 1280), ("vd", True, 1344), ("dv", False, 1344)],
+    ids=["vd-tail256", "dv-entropy-tail256", "vd-entropy-tail320", "dv-tail320"],
+)
+def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
+    """The chunk walk without copies (dz and dh reading the weight at the chunk's offset, dW
+    written at it: sm90_dz.dz_in_place + sm90_grad_gemm) gives the slice walk's gradients on
+    the same dz kernel: db bitwise (the same dz, the same column sums), dh and dW within
+    the rounding of another FP32 summation order; both layouts, a last chunk whose new
+    columns the dW kernel tiles (256) and one it does not (320: XLA forms those rows); two
+    runs give identical bytes; the in-place kernels ran and no padding row has a gradient."""
+    rng = np.random.default_rng(5)
+    n, d, vocab, chunk = 12, 256, v_rows - 40, 512
+    h, w, b, t, inv_t, lse, g_logp, g_lse, ent, g_ent = _walk_case(rng, n, d, v_rows, vocab)
+    wl = w.T if layout == "dv" else w
+    args = (h, wl, b, t, inv_t, lse, g_logp, g_lse, None)
+    kw = dict(vocab_size=vocab, chunk=chunk, weight_layout=layout)
+    if entropy:
+        kw.update(entropy=ent, g_entropy=g_ent)
+    entry = backends.get("pallas_sm90").dz
+    slices = dataclasses.replace(entry, fn=lambda *a, **k: pk.dz_chunk(*a, interpret=True, **k), in_place=None)
+    walk = _interpret_walk()
+    calls = []
+    counted = dataclasses.replace(walk, dw=lambda *a, **k: calls.append(k) or walk.dw(*a, **k))
+    in_place = dataclasses.replace(slices, in_place=counted)
+    with row_invariant_wgmma():
+        want = grad.backward(*args, dz=slices, **kw)
+        got = grad.backward(*args, dz=in_place, **kw)
+        traced = list(calls)
+        again = grad.backward(*args, dz=in_place, **kw)
+    # traced once in the scan's body, once for the last chunk unless its 320 new columns go to XLA
+    tail = v_rows % chunk
+    assert [c["col0"] for c in traced] == [0] + ([chunk - tail] if tail % 256 == 0 else []), traced
+    for name, g_, e, bound in zip(("hidden", "weight", "bias"), got, want, (1e-3, 1e-2, 0)):
+        assert g_.shape == e.shape and g_.dtype == e.dtype, name
+        assert np.isfinite(np.asarray(g_, np.float32)).all(), name
+        if bound:
+            assert rel_err(g_, e) < bound, (name, rel_err(g_, e))
+        else:
+            assert_bitwise_equal(np.asarray(g_), np.asarray(e))
+    dw = np.asarray(got[1], np.float32)
+    assert np.abs(dw.T[vocab:] if layout == "dv" else dw[vocab:]).max() == 0
+    for g_, g2 in zip(got, again):
+        assert_bitwise_equal(np.asarray(g_, np.float32), np.asarray(g2, np.float32))
+
+
+def test_dz_in_place_equals_dz_chunk():
+    """dz of the chunk [start, start + chunk) read in place from the whole weight and bias, with
+    absolute targets and bounds, is dz_chunk's of the sliced chunk, bit for bit (interpret)."""
+    rng = np.random.default_rng(6)
+    n_pad, d, v_rows, chunk, start = 128, 64, 1024, 256, 512
+    h = jnp.asarray(rng.standard_normal((n_pad, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v_rows, d)) * 0.3, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(v_rows) * 0.1, jnp.float32)
+    t = jnp.asarray(rng.integers(start - 50, start + chunk + 50, n_pad), jnp.int32)
+    rows = [jnp.asarray(x, jnp.float32) for x in (rng.uniform(0.6, 1.4, n_pad), rng.uniform(3, 5, n_pad))]
+    c1, c2 = (jnp.asarray(rng.standard_normal(n_pad), jnp.float32) for _ in range(2))
+    lo, hi = start + 64, start + 200
+    with row_invariant_wgmma():
+        want = pk.dz_chunk(
+            h,
+            w[start : start + chunk],
+            b[start : start + chunk],
+            t - start,
+            *rows,
+            c1,
+            c2,
+            lo - start,
+            hi - start,
+            interpret=True,
+        )
+        got = pk.dz_in_place(
+            h, w, b, t, *rows, c1, c2, jnp.asarray([start, lo, hi], jnp.int32), chunk=chunk, interpret=True
+        )
+    assert_bitwise_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(got, np.float32)).max() > 0
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gradient_gemms_in_place(layout):
+    """sm90_grad_gemm against float64: dh + dz @ W[start : start + chunk] (FP32), and dW's rows
+    ([D, V]: columns) [start + ..) set from a column range of dz, every other entry kept;
+    interpret mode."""
+    from pallas_kernels import sm90_grad_gemm as gg
+
+    rng = np.random.default_rng(7)
+    n_pad, d, chunk, v_rows, start = 128, 256, 512, 1536, 512
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    dz, h = bf(n_pad, chunk), bf(n_pad, d)
+    w = bf(v_rows, d) if layout == "vd" else bf(d, v_rows)
+    dh0 = jnp.asarray(rng.standard_normal((n_pad, d)), jnp.float32)
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    w_c = f64(w)[start : start + chunk] if layout == "vd" else f64(w)[:, start : start + chunk].T
+    dh = gg.dh_accumulate(dh0, dz, w, start, weight_layout=layout, interpret=True)
+    want = f64(dh0) + f64(dz) @ w_c
+    assert dh.dtype == jnp.float32 and np.abs(np.asarray(dh) - want).max() < 1e-5 * np.abs(want).max()
+    col0, cols = 256, 256
+    dw0 = jnp.full(w.shape, 3.0, jnp.bfloat16)
+    dw = np.asarray(
+        gg.dw_write(dw0, dz, h, start, col0=col0, cols=cols, weight_layout=layout, interpret=True), np.float64
+    )
+    blk = f64(dz)[:, col0 : col0 + cols].T @ f64(h)  # [cols, D]
+    if layout == "dv":
+        dw = dw.T
+    assert np.abs(dw[start : start + cols] - blk).max() <= 1e-2 * np.abs(blk).max()
+    rest = np.delete(dw, np.s_[start : start + cols], axis=0)
+    assert np.all(rest == 3.0)
+
+
+def test_gradient_gemms_alias_their_output_to_operand_0():
+    """The lowered dh / dW kernels (CUDA, on any machine) update operand 0's buffer in place:
+    the custom call declares the alias, so XLA writes no copy of dh or dW per chunk."""
+    import jax
+
+    from pallas_kernels import sm90_grad_gemm as gg
+
+    S = jax.ShapeDtypeStruct
+    dz, h, w = S((128, 512), jnp.bfloat16), S((128, 256), jnp.bfloat16), S((1024, 256), jnp.bfloat16)
+    for f, args in (
+        (lambda dh, dz, w, s: gg.dh_accumulate(dh, dz, w, s), (S((128, 256), jnp.float32), dz, w, S((), jnp.int32))),
+        (lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s), (w, dz, h, S((), jnp.int32))),
+    ):
+        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [ln for ln in txt.splitlines() if "mosaic_gpu" in ln and "custom_call" in ln]
+        assert calls and all("output_operand_aliases" in ln for ln in calls), calls

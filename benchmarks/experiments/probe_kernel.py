@@ -21,6 +21,7 @@ Device: an H200 (nvidia-h200). Times are medians over --samples samples of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import traceback
@@ -40,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8; pass1_8 ran at 14e5aad).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10; pass1_8 ran at 14e5aad).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -549,6 +550,79 @@ def main(argv):
         finally:
             defaults["chunk"] = shipped
             jax.clear_caches()
+
+    if "walk10" in groups:
+        # The recompute backward's chunk walk without copies (tenth session, issue 18 item 1):
+        # grad.backward with the in-place walk (sm90_dz.dz_in_place + sm90_grad_gemm: no weight-
+        # chunk slices, no dW-chunk updates) against the slice walk (XLA's GEMMs on copies), alone
+        # and at each GEMM config variant, with the compiled temp bytes; the gradient difference
+        # of the two walks is printed (rel. Frobenius, dh / dW).
+        from detlogp_jax import backends
+        from pallas_kernels import sm90_grad_gemm
+
+        entry = backends.get("pallas_sm90").dz
+        slices = dataclasses.replace(entry, in_place=None)
+
+        def walk_with(dh_cfg=None, dw_cfg=None):
+            w = entry.in_place
+            dh = w.dh if dh_cfg is None else functools.partial(sm90_grad_gemm.dh_accumulate, cfg=dh_cfg)
+            dw = w.dw if dw_cfg is None else functools.partial(sm90_grad_gemm.dw_write, cfg=dw_cfg)
+            return dataclasses.replace(entry, in_place=dataclasses.replace(w, dh=dh, dw=dw))
+
+        G = tuning.GradGemmConfig
+        variants = [("in_place", entry), ("slices", slices)]
+        variants += [
+            ("in_place dh st4 tn64", walk_with(dh_cfg=G(tile_n=64, max_concurrent_steps=4))),
+            ("in_place dh g0", walk_with(dh_cfg=dataclasses.replace(tuning.DH_GEMM, col_group=0))),
+            ("in_place dw g0", walk_with(dw_cfg=dataclasses.replace(tuning.DW_GEMM, col_group=0))),
+            ("in_place dw tm64", walk_with(dw_cfg=dataclasses.replace(tuning.DW_GEMM, tile_m=64))),
+        ]
+        for m in (4096, 16384):
+            arg_sets, lse, ones = bwd_setup(m)
+            outs = {}
+            for name, dzk in variants if m == 4096 else variants[:2]:
+                f = jax.jit(
+                    lambda h, w, t, lse=lse, ones=ones, dzk=dzk: grad.backward(
+                        h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=dzk
+                    )
+                )
+                try:
+                    mem = f.lower(*arg_sets[0]).compile().memory_analysis()
+                    temp_mb = getattr(mem, "temp_size_in_bytes", 0) / 2**20
+                except Exception as e:
+                    temp_mb = f"{type(e).__name__}: {e}"[:200]
+                p.generic("walk10", f"backward {name} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
+                if name in ("in_place", "slices"):
+                    try:
+                        outs[name] = f(*arg_sets[0])
+                    except Exception as e:
+                        print(f"walk10 {name} at M={m}: {type(e).__name__}: {e}"[:400])
+            if len(outs) == 2:
+                for i, what in enumerate(("dh", "dW")):
+                    a, b = (np.asarray(outs[k][i], np.float32) for k in ("in_place", "slices"))
+                    rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                    print(f"walk10 M={m} {what}: rel. Frobenius difference in_place vs slices = {rel:.3e}", flush=True)
+        # [D, V] weight (Flax / Tunix kernel) at M = 4096
+        arg_sets, lse, ones = bwd_setup(4096)
+        dv_sets = [(h, jnp.asarray(w.T), t) for h, w, t in arg_sets[:1]]
+        for name, dzk in variants[:2]:
+            f = jax.jit(
+                lambda h, w, t, lse=lse, ones=ones, dzk=dzk: grad.backward(
+                    h,
+                    w,
+                    None,
+                    t,
+                    ones,
+                    lse,
+                    ones,
+                    jnp.zeros_like(ones),
+                    None,
+                    vocab_size=V_REAL,
+                    dz=dzk,
+                    weight_layout="dv",
+                )
+            )
+            p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
 
     if "backward" in groups:
         m = 4096

@@ -50,15 +50,19 @@ def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
 
 
+@pytest.mark.parametrize("walk", ["in_place", "slices"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
-def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout):
+def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout, walk):
     """grad.backward on the fused dz kernel (both weight layouts, with and without the entropy
-    term) == the XLA-formed dz path within bf16; the kernel path ran (a spy); two runs give
-    identical bytes; padding rows get no gradient."""
+    term) == the XLA-formed dz path within bf16, with both chunk walks: the in-place one
+    (`backends.InPlaceWalk`: dz and dh read the weight at the chunk's offset, dW written at
+    it, sm90_grad_gemm) and the slice walk (XLA's GEMMs on weight-chunk copies); the kernel
+    path ran (a spy); two runs give identical bytes; padding rows get no gradient. The
+    vocabulary ends in a partial chunk (8 x 4096 + 1024 rows)."""
     import dataclasses
 
-    n, d, v_pad, vocab = 256, 512, 32768, 32000
+    n, d, v_pad, vocab = 256, 512, 33792, 33700
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=3)
     inv_t = inputs.inv_temperature(jnp.asarray(temp), n)
     out = dl.linear_logp(
@@ -81,11 +85,17 @@ def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout):
     kern = backends.get("pallas_sm90").dz
     calls = []
 
-    def spy(*a, **k):
-        calls.append(sorted(k))
-        return kern.fn(*a, **k)
+    def spy(fn):
+        def run(*a, **k):
+            calls.append(sorted(k))
+            return fn(*a, **k)
 
-    fused_dz = dataclasses.replace(kern, fn=spy)
+        return run
+
+    if walk == "in_place":
+        fused_dz = dataclasses.replace(kern, in_place=dataclasses.replace(kern.in_place, dz=spy(kern.in_place.dz)))
+    else:
+        fused_dz = dataclasses.replace(kern, fn=spy(kern.fn), in_place=None)
     fused = grad.backward(*args, dz=fused_dz, **kw)
     again = grad.backward(*args, dz=fused_dz, **kw)
     plain = grad.backward(*args, **kw)
@@ -97,3 +107,27 @@ def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout):
     assert np.abs(dw.T[vocab:] if layout == "dv" else dw[vocab:]).max() == 0
     for g, g2 in zip(fused, again):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
+
+
+def test_in_place_walk_gives_each_row_its_own_dh_bytes():
+    """With the in-place walk a row's dh is one fixed sum over the vocabulary (dz row by row
+    from the dz kernel, then dh += dz @ W_c in one FP32 accumulator per element): the same
+    rows in a batch of 256 and of 64 (other rows dropped, per-row cotangents kept) give the
+    same dh bytes. (XLA's GEMMs choose their algorithm by shape, so the slice walk promises
+    no such thing.) Both layouts."""
+    n, d, v_pad, vocab = 256, 512, 33792, 33700
+    hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=9)
+    inv_t = inputs.inv_temperature(jnp.asarray(temp), n)
+    out = dl.linear_logp(
+        hb, wb, t, bias=b, temperature=temp, vocab_size=vocab, padded_vocab_size=v_pad, backend="reference"
+    )
+    kern = backends.get("pallas_sm90").dz
+    assert kern.in_place.supports(256, d, v_pad, 4096, "vd") and kern.in_place.supports(128, d, v_pad, 4096, "dv")
+    for layout in ("vd", "dv"):
+        wl = jnp.asarray(wb.T) if layout == "dv" else wb
+        row = lambda x, k: jnp.asarray(x)[:k]
+        dh = {}
+        for k in (256, 64):
+            args = (hb[:k], wl, jnp.asarray(b), row(t, k), inv_t[:k], out.lse[:k], row(g_lp, k), row(g_lse, k), None)
+            dh[k] = np.asarray(grad.backward(*args, vocab_size=vocab, weight_layout=layout, dz=kern)[0], np.float32)
+        assert_bitwise_equal(dh[64], dh[256][:64])

@@ -1,0 +1,315 @@
+"""The backward's gradient GEMMs on sm90, reading the weight and writing dh / dW in place.
+
+The chunked backward (`detlogp_jax.grad`) visits the vocabulary in chunks of `chunk`
+columns starting at `start` (traced: the scan's offset). Per chunk it needs
+
+    dh += dz @ W_c          dh [n_pad, D] FP32, dz [n_pad, chunk] bf16
+    dW_c = dz.T @ h          written into dW's rows (or columns) [start, start + chunk)
+
+where W_c is the chunk's slice of the weight. With XLA's GEMMs each chunk pays a copy of
+W_c (a dynamic slice both GEMMs read) and a copy of dW_c into dW (a dynamic update
+slice); these kernels read W at the offset and write dW at the offset instead
+(`dh_accumulate`, `dw_write`), and dh is updated in place (the kernel's output buffer is
+its input's: `_aliased_kernel`), so the walk moves no weight-sized bytes besides the
+GEMMs' own operand reads.
+
+Each element's sum: one FP32 accumulator per output element, K ascending in 64-wide
+pipeline steps of m64nNk16 wgmmas (N = `tuning.GradGemmConfig.tile_n`); dh's accumulator
+starts from the old dh value (dh_new = ((dh + p_0) + p_1) + ..., p_j the products of K
+step j, no separate add; interpret mode, whose accumulator cannot be stored to, adds the
+old value after the sum instead: the same arithmetic up to rounding). No split-K, no atomics, a fixed tile walk: two runs give
+identical bytes, and a row's dh does not depend on the other rows of the batch. The
+backward is not part of the frozen contract.
+
+Layouts. "vd" (weight [V, D]): dh's B operand is W[start + k, :] (K-major rows, read as
+B directly); dW_c = dz.T @ h is [chunk, D], A read through a transposed view of dz's
+[64, tile_m] blocks. "dv" (weight [D, V], a Flax/Tunix kernel): dh's B is W[:, start + k]
+(read through `.T`); dW is [D, V] and dW[:, start : start + cols] = h.T @ dz, A read
+through a transposed view of hidden's blocks.
+
+Launch geometry: `tuning.DH_GEMM` / `tuning.DW_GEMM` (`tuning.GradGemmConfig`). Operands
+must tile exactly (`supported`): rows a multiple of tile_m, D and the chunk multiples of
+2 * tile_n; `detlogp_jax.grad` falls back to XLA's GEMMs otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common, interpret_utils, tuning
+from pallas_kernels.common import F32, SWIZZLE, TILE_K
+
+EPI = 64  # epilogue tile: [EPI, EPI] of the output per TMA store
+# Chunk offsets must be multiples of this (a [V, D] weight's rows and a [D, V] one's columns are
+# read in 64-wide swizzle tiles; dW is written in [EPI, EPI] boxes): callers check it (`supported`).
+START_MULTIPLE = 64
+
+
+def _aliased_kernel(body, *, out_type, grid, num_threads, interpret, interpret_params):
+    """`plgpu.kernel` whose first operand is also its output (updated in place).
+
+    plgpu.kernel of jax 0.11.2 takes no input/output aliases; the mpmd map under it does
+    (jax._src.pallas.mpmd._mpmd_map, private: pinned with the jax version, and
+    tests/test_pallas_backward.py checks the aliasing in the lowered module). The body
+    gets (operand refs..., out ref) where the out ref holds operand 0's values on entry."""
+    from jax._src.pallas import mpmd
+
+    mesh = plgpu.Mesh(grid=grid, grid_names=("cta",), num_threads=num_threads, thread_name="wg")
+    kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
+    return mpmd._mpmd_map([(mesh, body)], out_type, input_output_aliases={0: 0}, **kw)
+
+
+def _build(
+    *,
+    m: int,
+    n: int,
+    k: int,
+    a_t: bool,
+    b_t: bool,
+    a_off: tuple,
+    b_off: tuple,
+    out_off: tuple,
+    accumulate: bool,
+    out_shape: tuple,
+    out_dtype,
+    num_ctas: int,
+    cfg: tuning.GradGemmConfig,
+    interpret: bool,
+    interpret_params=None,
+):
+    """out[o_r + i, o_c + j] (+)= sum_k A[i, k] B[k, j] for i < m, j < n.
+
+    A is read from a [m, k] window of its array (a_t False; block [tile_m, 64]) or a [k, m]
+    one (a_t True; block [64, tile_m], read through `.T`); B from a [k, n] window (b_t False)
+    or an [n, k] one (b_t True, through `.T`). a_off / b_off / out_off: the window's
+    (row, column) origin in each array, each entry a Python int or "start" (the kernel's
+    traced scalar operand). accumulate: the accumulator starts from the output's old value.
+    Kernel operands: (out, a, b, start [1] int32) -> out (aliased to operand 0)."""
+    tm, tn, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_n
+    assert m % tm == 0 and n % cta_n == 0 and k % TILE_K == 0, (m, n, k, cfg)
+    m_tiles, n_tiles, k_iters = m // tm, n // cta_n, k // TILE_K
+    stages = min(cfg.max_concurrent_steps, k_iters)
+    tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    out_tr = (plgpu.TilingTransform((8, SWIZZLE // out_bytes)), plgpu.SwizzleTransform(SWIZZLE))
+    a_spec = (
+        plgpu.BlockSpec((TILE_K, tm), lambda kk: (kk, 0), transforms=tr)
+        if a_t
+        else plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk), transforms=tr)
+    )
+    b_spec = (
+        plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk), transforms=tr)
+        if b_t
+        else plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0), transforms=tr)
+    )
+    load = functools.partial(interpret_utils.load, interpret=interpret)
+
+    def kernel(out_in, a_gmem, b_gmem, start_gmem, out_gmem):
+        del out_in  # the same buffer as out_gmem (aliased): read and written through out_gmem
+        start = pl.multiple_of(start_gmem[0], START_MULTIPLE)  # TMA boxes start on whole swizzle tiles
+        origin = lambda off: tuple(start if o == "start" else o for o in off)
+        (ar, ac), (br, bc), (orow, ocol) = origin(a_off), origin(b_off), origin(out_off)
+
+        def a_window(m0):
+            if a_t:
+                return a_gmem.at[pl.ds(ar, k), pl.ds(ac + m0, tm)]
+            return a_gmem.at[pl.ds(ar + m0, tm), pl.ds(ac, k)]
+
+        def b_window(n0):
+            if b_t:
+                return b_gmem.at[pl.ds(br + n0, cta_n), pl.ds(bc, k)]
+            return b_gmem.at[pl.ds(br, k), pl.ds(bc + n0, cta_n)]
+
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[a_spec, b_spec],
+                wg_axis="wg",
+                num_compute_wgs=2,
+                max_concurrent_steps=stages,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_window(0), b_window(0)),
+            out_smem=plgpu.SMEM((2, 2, EPI, EPI), out_dtype, transforms=out_tr),
+            collective_axes="wg",
+        )
+        def _scope(pipeline_allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="cta")
+            def _work(info):
+                nt, mt = common.work_item(info.index[0], n_tiles, m_tiles, cfg.col_group)
+                m0, n0 = pl.multiple_of(mt * tm, tm), pl.multiple_of(nt * cta_n, cta_n)
+                o_rows = pl.ds(orow + m0, tm)
+                o_cols = pl.ds(ocol + n0 + pl.multiple_of(wg * tn, tn), tn)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), F32))
+                    def _acc_scope(acc_ref):
+                        if accumulate and not interpret:
+                            acc_ref[...] = load(out_gmem.at[o_rows, o_cols], plgpu.Layout.WGMMA)
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...]
+                        if accumulate and interpret:  # the interpreter's accumulator takes no store
+                            acc = out_gmem.at[o_rows, o_cols][...] + acc
+                        acc = acc.astype(out_dtype)
+                        for i in range(tm // EPI):
+                            for j in range(tn // EPI):
+                                slot = (i * (tn // EPI) + j) % 2
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, slot],
+                                    out_gmem.at[o_rows, o_cols].at[pl.ds(i * EPI, EPI), pl.ds(j * EPI, EPI)],
+                                )
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                def mma_body(idxs, a_smem, b_smem, acc_ref):
+                    a = a_smem.T if a_t else a_smem
+                    b = b_smem.at[pl.ds(wg * tn, tn)].T if b_t else b_smem.at[:, pl.ds(wg * tn, tn)]
+                    plgpu.wgmma(acc_ref, a, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                get_pipeline(mma_body, compute_context)(a_window(m0), b_window(n0), allocations=pipeline_allocs)
+
+            plgpu.wait_smem_to_gmem(0)
+
+    return _aliased_kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(num_ctas,),
+        num_threads=3,
+        interpret=interpret,
+        interpret_params=interpret_params,
+    )
+
+
+_STATIC = ("geom", "num_ctas", "cfg", "interpret", "interpret_params")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _gemm_core(out, a, b, start, *, geom, **static):
+    return _build(**dict(geom), out_shape=out.shape, out_dtype=out.dtype, **static)(out, a, b, start)
+
+
+def _ctas(m, n, cfg, num_ctas, interpret):
+    work = (m // cfg.tile_m) * (n // cfg.cta_n)
+    if num_ctas is None:
+        num_ctas = 2 if interpret else tuning.default_num_sms()
+    return max(1, min(int(num_ctas), work))
+
+
+def supported(n_pad: int, d: int, cols: int) -> bool:
+    """Whether these kernels take a chunk walk with n_pad rows, hidden size d and chunks (and a
+    last chunk's new columns) of `cols` columns in both layouts."""
+    cm, cn = tuning.DH_GEMM, tuning.DW_GEMM
+    ok_dh = n_pad % cm.tile_m == 0 and d % cm.cta_n == 0 and cols % TILE_K == 0
+    ok_dw = n_pad % TILE_K == 0 and cols_supported(cols) and d % cn.tile_m == 0 and d % cn.cta_n == 0
+    return ok_dh and ok_dw
+
+
+def cols_supported(cols: int) -> bool:
+    """Whether `dw_write` takes `cols` columns of dz (a last chunk's new columns) in both layouts."""
+    cfg = tuning.DW_GEMM
+    return cols % cfg.tile_m == 0 and cols % cfg.cta_n == 0
+
+
+def dh_accumulate(
+    dh,
+    dz,
+    weight,
+    start,
+    *,
+    weight_layout: str = "vd",
+    interpret: bool = False,
+    interpret_params=None,
+    num_ctas: int | None = None,
+    cfg: tuning.GradGemmConfig | None = None,
+):
+    """dh + dz @ W[start : start + chunk] (vd; "dv": dz @ W[:, start : start + chunk].T) as a new
+    FP32 [n_pad, D] array whose buffer is dh's (XLA updates it in place when dh is dead after).
+    dz: [n_pad, chunk] bf16; weight: the whole weight; start: traced int32 (start + chunk <= V)."""
+    cfg = cfg or tuning.DH_GEMM
+    dv = common.check_weight_layout(weight_layout)
+    n_pad, chunk = dz.shape
+    d = dh.shape[1]
+    geom = dict(
+        m=n_pad,
+        n=d,
+        k=chunk,
+        a_t=False,
+        b_t=dv,
+        a_off=(0, 0),
+        b_off=(0, "start") if dv else ("start", 0),
+        out_off=(0, 0),
+        accumulate=True,
+    )
+    return _gemm_core(
+        dh.astype(F32),
+        dz,
+        weight,
+        jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+        geom=tuple(sorted(geom.items())),
+        num_ctas=_ctas(n_pad, d, cfg, num_ctas, interpret),
+        cfg=cfg,
+        interpret=interpret,
+        interpret_params=interpret_params,
+    )
+
+
+def dw_write(
+    dw,
+    dz,
+    hidden_p,
+    start,
+    *,
+    col0: int = 0,
+    cols: int | None = None,
+    weight_layout: str = "vd",
+    interpret: bool = False,
+    interpret_params=None,
+    num_ctas: int | None = None,
+    cfg: tuning.GradGemmConfig | None = None,
+):
+    """dW with its rows [start, start + cols) ("vd"; "dv": columns) set to dz[:, col0 : col0 + cols].T
+    @ hidden_p (resp. hidden_p.T @ dz[:, ...]) in dW's dtype (FP32 accumulation, rounded once); the
+    other entries keep dW's values (the buffer is dW's: written in place). dz: [n_pad, chunk] bf16,
+    hidden_p: [n_pad, D] bf16; col0, cols: static (cols defaults to the rest of the chunk)."""
+    cfg = cfg or tuning.DW_GEMM
+    dv = common.check_weight_layout(weight_layout)
+    n_pad, chunk = dz.shape
+    d = hidden_p.shape[1]
+    cols = chunk - col0 if cols is None else int(cols)
+    if dv:  # dW[:, start + j] = sum_r h[r, i] dz[r, col0 + j]: A = h (transposed view), B = dz
+        geom = dict(m=d, n=cols, k=n_pad, a_t=True, b_t=False, a_off=(0, 0), b_off=(0, col0), out_off=(0, "start"))
+        a, b, (gm, gn) = hidden_p, dz, (d, cols)
+    else:  # dW[start + i, j] = sum_r dz[r, col0 + i] h[r, j]: A = dz (transposed view), B = h
+        geom = dict(m=cols, n=d, k=n_pad, a_t=True, b_t=False, a_off=(0, col0), b_off=(0, 0), out_off=("start", 0))
+        a, b, (gm, gn) = dz, hidden_p, (cols, d)
+    geom["accumulate"] = False
+    return _gemm_core(
+        dw,
+        a,
+        b,
+        jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+        geom=tuple(sorted(geom.items())),
+        num_ctas=_ctas(gm, gn, cfg, num_ctas, interpret),
+        cfg=cfg,
+        interpret=interpret,
+        interpret_params=interpret_params,
+    )
