@@ -91,9 +91,11 @@ def _build(
     (row, column) origin in each array, each entry a Python int or "start" (the kernel's
     traced scalar operand). accumulate: the accumulator starts from the output's old value.
     Kernel operands: (out, a, b, start [1] int32) -> out (aliased to operand 0)."""
-    tm, tn, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_n
-    assert m % tm == 0 and n % cta_n == 0 and k % TILE_K == 0, (m, n, k, cfg)
-    m_tiles, n_tiles, k_iters = m // tm, n // cta_n, k // TILE_K
+    tm, tn = cfg.tile_m, cfg.tile_n
+    wm, wn = cfg.wg_tile  # one consumer warpgroup's accumulator
+    split_m = cfg.wg_split == "m"
+    assert m % tm == 0 and n % tn == 0 and k % TILE_K == 0, (m, n, k, cfg)
+    m_tiles, n_tiles, k_iters = m // tm, n // tn, k // TILE_K
     stages = min(cfg.max_concurrent_steps, k_iters)
     tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     out_bytes = jnp.dtype(out_dtype).itemsize
@@ -104,9 +106,9 @@ def _build(
         else plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk), transforms=tr)
     )
     b_spec = (
-        plgpu.BlockSpec((cta_n, TILE_K), lambda kk: (0, kk), transforms=tr)
+        plgpu.BlockSpec((tn, TILE_K), lambda kk: (0, kk), transforms=tr)
         if b_t
-        else plgpu.BlockSpec((TILE_K, cta_n), lambda kk: (kk, 0), transforms=tr)
+        else plgpu.BlockSpec((TILE_K, tn), lambda kk: (kk, 0), transforms=tr)
     )
     load = functools.partial(interpret_utils.load, interpret=interpret)
 
@@ -123,8 +125,8 @@ def _build(
 
         def b_window(n0):
             if b_t:
-                return b_gmem.at[pl.ds(br + n0, cta_n), pl.ds(bc, k)]
-            return b_gmem.at[pl.ds(br, k), pl.ds(bc + n0, cta_n)]
+                return b_gmem.at[pl.ds(br + n0, tn), pl.ds(bc, k)]
+            return b_gmem.at[pl.ds(br, k), pl.ds(bc + n0, tn)]
 
         def get_pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -152,12 +154,14 @@ def _build(
             @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="cta")
             def _work(info):
                 nt, mt = common.work_item(info.index[0], n_tiles, m_tiles, cfg.col_group)
-                m0, n0 = pl.multiple_of(mt * tm, tm), pl.multiple_of(nt * cta_n, cta_n)
-                o_rows = pl.ds(orow + m0, tm)
-                o_cols = pl.ds(ocol + n0 + pl.multiple_of(wg * tn, tn), tn)
+                m0, n0 = pl.multiple_of(mt * tm, tm), pl.multiple_of(nt * tn, tn)
+                wg_m = pl.multiple_of(wg * wm, wm) if split_m else 0  # this warpgroup's part of the tile
+                wg_n = 0 if split_m else pl.multiple_of(wg * wn, wn)
+                o_rows = pl.ds(orow + m0 + wg_m, wm)
+                o_cols = pl.ds(ocol + n0 + wg_n, wn)
 
                 def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), F32))
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), F32))
                     def _acc_scope(acc_ref):
                         if accumulate and not interpret:
                             acc_ref[...] = load(out_gmem.at[o_rows, o_cols], plgpu.Layout.WGMMA)
@@ -166,9 +170,9 @@ def _build(
                         if accumulate and interpret:  # the interpreter's accumulator takes no store
                             acc = out_gmem.at[o_rows, o_cols][...] + acc
                         acc = acc.astype(out_dtype)
-                        for i in range(tm // EPI):
-                            for j in range(tn // EPI):
-                                slot = (i * (tn // EPI) + j) % 2
+                        for i in range(wm // EPI):
+                            for j in range(wn // EPI):
+                                slot = (i * (wn // EPI) + j) % 2
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
                                 plgpu.commit_smem()
@@ -179,8 +183,12 @@ def _build(
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
-                    a = a_smem.T if a_t else a_smem
-                    b = b_smem.at[pl.ds(wg * tn, tn)].T if b_t else b_smem.at[:, pl.ds(wg * tn, tn)]
+                    if split_m:  # this warpgroup's rows of A, all of B
+                        a = a_smem.at[:, pl.ds(wg * wm, wm)].T if a_t else a_smem.at[pl.ds(wg * wm, wm)]
+                        b = b_smem.T if b_t else b_smem
+                    else:  # all of A, this warpgroup's columns of B
+                        a = a_smem.T if a_t else a_smem
+                        b = b_smem.at[pl.ds(wg * wn, wn)].T if b_t else b_smem.at[:, pl.ds(wg * wn, wn)]
                     plgpu.wgmma(acc_ref, a, b)
                     plgpu.wgmma_wait(0)
                     return acc_ref
@@ -208,7 +216,7 @@ def _gemm_core(out, a, b, start, *, geom, **static):
 
 
 def _ctas(m, n, cfg, num_ctas, interpret):
-    work = (m // cfg.tile_m) * (n // cfg.cta_n)
+    work = (m // cfg.tile_m) * (n // cfg.tile_n)
     if num_ctas is None:
         num_ctas = 2 if interpret else tuning.default_num_sms()
     return max(1, min(int(num_ctas), work))
@@ -218,15 +226,15 @@ def supported(n_pad: int, d: int, cols: int) -> bool:
     """Whether these kernels take a chunk walk with n_pad rows, hidden size d and chunks (and a
     last chunk's new columns) of `cols` columns in both layouts."""
     cm, cn = tuning.DH_GEMM, tuning.DW_GEMM
-    ok_dh = n_pad % cm.tile_m == 0 and d % cm.cta_n == 0 and cols % TILE_K == 0
-    ok_dw = n_pad % TILE_K == 0 and cols_supported(cols) and d % cn.tile_m == 0 and d % cn.cta_n == 0
+    ok_dh = n_pad % cm.tile_m == 0 and d % cm.tile_n == 0 and cols % TILE_K == 0
+    ok_dw = n_pad % TILE_K == 0 and cols_supported(cols) and d % cn.tile_m == 0 and d % cn.tile_n == 0
     return ok_dh and ok_dw
 
 
 def cols_supported(cols: int) -> bool:
     """Whether `dw_write` takes `cols` columns of dz (a last chunk's new columns) in both layouts."""
     cfg = tuning.DW_GEMM
-    return cols % cfg.tile_m == 0 and cols % cfg.cta_n == 0
+    return cols % cfg.tile_m == 0 and cols % cfg.tile_n == 0
 
 
 def dh_accumulate(

@@ -282,22 +282,28 @@ def persistent_ctas(n_pad: int, n_local: int, cfg: ForwardConfig, max_ctas: int)
 class GradGemmConfig:
     """The backward's in-place gradient GEMMs (`sm90_grad_gemm`): dh += dz @ W_c and dW_c = dz.T @ h.
 
-    A CTA computes a [tile_m, 2 * tile_n] output tile, one [tile_m, tile_n] half per consumer
-    warpgroup, over K in 64-wide steps (one FP32 accumulator per element, K ascending). Work
-    items (output tiles) are ordered in groups of `col_group` column tiles, the column tile
-    fastest inside a group (0: row tiles fastest). Every element's sum is the same walk over K
-    whatever tile_m, max_concurrent_steps and col_group are (only where and when it runs
-    changes); tile_n is the wgmma instruction's N, which the backward keeps fixed too. The
-    backward is deterministic (same bytes run to run), not part of the frozen contract."""
+    A CTA computes a [tile_m, tile_n] output tile over K in 64-wide steps (one FP32
+    accumulator per element, K ascending); its two consumer warpgroups split the tile's rows
+    (wg_split "m": [tile_m / 2, tile_n] each, wgmma N = tile_n) or its columns ("n": [tile_m,
+    tile_n / 2] each). Work items (output tiles) are ordered in groups of `col_group` column
+    tiles, the column tile fastest inside a group (0: row tiles fastest). Every element's sum
+    is the same walk over K whatever the fields are (only where and when it runs changes,
+    and the wgmma N width); the backward is deterministic (same bytes run to run), not part
+    of the frozen contract."""
 
-    tile_m: int = 128  # output rows per CTA (wgmma M: 64 or 128)
-    tile_n: int = 128  # output columns per consumer warpgroup (wgmma N)
+    tile_m: int = 128
+    tile_n: int = 256
+    wg_split: str = "m"
     max_concurrent_steps: int = 4  # pipeline depth
     col_group: int = 8  # work order (see above)
 
     def __post_init__(self):
-        _require(self.tile_m in (64, 128), self, f"tile_m must be 64 or 128, got {self.tile_m}")
-        _require(self.tile_n in (64, 128, 256), self, f"tile_n must be 64, 128 or 256, got {self.tile_n}")
+        _require(self.wg_split in ("m", "n"), self, f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
+        wm, wn = self.wg_tile
+        _require(
+            wm in (64, 128), self, f"a warpgroup's rows (tile_m, halved for wg_split 'm') must be 64 or 128, got {wm}"
+        )
+        _require(wn in (64, 128, 256), self, f"a warpgroup's columns (wgmma N) must be 64, 128 or 256, got {wn}")
         _require(
             _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
             self,
@@ -310,8 +316,11 @@ class GradGemmConfig:
         )
 
     @property
-    def cta_n(self) -> int:
-        return 2 * self.tile_n
+    def wg_tile(self) -> tuple[int, int]:
+        """(rows, columns) of one consumer warpgroup's accumulator."""
+        if self.wg_split == "m":
+            return self.tile_m // 2, self.tile_n
+        return self.tile_m, self.tile_n // 2
 
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).
