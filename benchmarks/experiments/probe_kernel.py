@@ -21,7 +21,6 @@ Device: an H200 (nvidia-h200). Times are medians over --samples samples of
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 import traceback
@@ -558,35 +557,26 @@ def main(argv):
         # and at each GEMM config variant, with the compiled temp bytes; the gradient difference
         # of the two walks is printed (rel. Frobenius, dh / dW).
         from detlogp_jax import backends
-        from pallas_kernels import sm90_grad_gemm
 
         entry = backends.get("pallas_sm90").dz
         slices = dataclasses.replace(entry, in_place=None)
 
-        def walk_with(dh_cfg=None, dw_cfg=None):
-            w = entry.in_place
-            dh = w.dh if dh_cfg is None else functools.partial(sm90_grad_gemm.dh_accumulate, cfg=dh_cfg)
-            dw = w.dw if dw_cfg is None else functools.partial(sm90_grad_gemm.dw_write, cfg=dw_cfg)
-            return dataclasses.replace(entry, in_place=dataclasses.replace(w, dh=dh, dw=dw))
-
-        G = tuning.GradGemmConfig
-        variants = [("in_place", entry), ("slices", slices)]
-        rep = dataclasses.replace
-        # (The first H200 run, at wg_split "n" with [128, 128] per warpgroup, the shipped shape then:
-        # tile_n 64 with 4 dh stages, col_group 0, dW tile_m 64: none faster.)
-        variants += [
-            ("in_place split n", walk_with(rep(tuning.DH_GEMM, wg_split="n"), rep(tuning.DW_GEMM, wg_split="n"))),
-            ("in_place dw 256x128", walk_with(dw_cfg=G(tile_m=256, tile_n=128))),
-            ("in_place dh 256x128 st3", walk_with(dh_cfg=G(tile_m=256, tile_n=128, max_concurrent_steps=3))),
-            ("in_place g16", walk_with(rep(tuning.DH_GEMM, col_group=16), rep(tuning.DW_GEMM, col_group=16))),
-        ]
+        # Earlier runs of this group (h200_2026-12-01f/): the first, at wg_split "n" ([128, 128] per
+        # warpgroup, shipped then), also timed tile_n 64 with 4 dh stages, col_group 0 and a dW
+        # tile_m of 64; the second wg_split "m" (25.04 ms at M=4096 vs "n" 25.19; 98.99 vs 99.85 at
+        # 16384, where the slice walk took 96.18), dW 256x128, dh 256x128 with 3 stages and
+        # col_group 16: none faster than the shipped configs (a variant: the entry's InPlaceWalk with
+        # dh / dw = functools.partial(sm90_grad_gemm.dh_accumulate / dw_write, cfg=...)).
+        # Now: the chunk length with the in-place walk, whose temp memory is only the dz chunk and dh.
+        variants = [("in_place chunk4096", entry, 4096), ("slices chunk4096", slices, 4096)]
+        variants += [(f"in_place chunk{c}", entry, c) for c in (8192, 16384)]
         for m in (4096, 16384):
             arg_sets, lse, ones = bwd_setup(m)
             outs = {}
-            for name, dzk in variants if m == 4096 else variants[:3]:
+            for name, dzk, chunk in variants:
                 f = jax.jit(
-                    lambda h, w, t, lse=lse, ones=ones, dzk=dzk: grad.backward(
-                        h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=dzk
+                    lambda h, w, t, lse=lse, ones=ones, dzk=dzk, c=chunk: grad.backward(
+                        h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=dzk, chunk=c
                     )
                 )
                 try:
@@ -595,7 +585,8 @@ def main(argv):
                 except Exception as e:
                     temp_mb = f"{type(e).__name__}: {e}"[:200]
                 p.generic("walk10", f"backward {name} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
-                if name in ("in_place", "slices"):
+                if chunk == 4096:
+                    name = name.split()[0]
                     try:
                         outs[name] = f(*arg_sets[0])
                     except Exception as e:
@@ -608,7 +599,7 @@ def main(argv):
         # [D, V] weight (Flax / Tunix kernel) at M = 4096
         arg_sets, lse, ones = bwd_setup(4096)
         dv_sets = [(h, jnp.asarray(w.T), t) for h, w, t in arg_sets[:1]]
-        for name, dzk in variants[:2]:
+        for name, dzk, _ in variants[:2]:
             f = jax.jit(
                 lambda h, w, t, lse=lse, ones=ones, dzk=dzk: grad.backward(
                     h,
