@@ -18,7 +18,15 @@ backend's `dz` kernel (`backends.DzKernel`; the pallas_sm90 backend has one)
 the recompute GEMM and the dz formula run in one Pallas kernel that writes dz
 as bf16, so the chunk's FP32 logits never reach device memory; otherwise XLA
 forms them (always when the entropy has a cotangent and the kernel does not
-declare the entropy term, and for the temperature gradient). For bf16/f16
+declare the entropy term, and for the temperature gradient). When the backend
+also has an in-place walk (`backends.InPlaceWalk`; pallas_sm90 does, for
+operands its kernels tile) the dz kernel and the dh GEMM read the weight at the
+chunk's offset, the dW GEMM writes dW there and dh is accumulated in its own
+buffer: no weight-chunk copy, no dW-chunk copy, no dh add, and a row's dh is
+one fixed sum whatever batch the row is in (XLA's GEMMs choose algorithms by
+shape). The default chunk is 8192 on that walk and 4096 on the slice walk
+(`IN_PLACE_CHUNK`, `DEFAULT_CHUNK`: a function of the head, never of the row
+count). For bf16/f16
 weights the dW GEMM writes the weight dtype directly
 (FP32 accumulation inside the GEMM). Rows with
 target == ignore_index (or a bad target) get no logp gradient; lse and the
@@ -79,16 +87,37 @@ from jax import lax
 
 from detlogp_jax import vma
 
-# Bit-neutral for the forward; fixes the backward's sums. 4096 since the eighth session: the
-# compiled fwd+bwd program's temp memory at M=4096 on the Qwen3-8B head is 234.9 MB, 1.092x hidden +
-# weight + their gradients (8192: 320.1 MiB, 1.13x), for ~0.8 ms more fwd+bwd (H200:
+# Bit-neutral for the forward; fixes the backward's sums. The chunk length, when the caller
+# gives none, is a function of the walk (so of the head's shape and the backend), never of the
+# row count: a row's dh bytes do not depend on its batch.
+# The slice walk (XLA's GEMMs on weight-chunk copies): 4096 since the eighth session: the compiled
+# fwd+bwd program's temp memory at M=4096 on the Qwen3-8B head is 234.9 MB, 1.092x hidden + weight
+# + their gradients (8192: 320.1 MiB, 1.13x), for ~0.8 ms more fwd+bwd (H200:
 # h200_2026-12-01d/call3_fwd_bwd_recompute.json, h200_2026-12-01e/call1_probe_handoff8_chunk7.log).
 DEFAULT_CHUNK = 4096
+# A backend's in-place walk (`backends.InPlaceWalk`: no chunk copies, so its temp memory is the dz
+# chunk and dh): 8192. The backward alone on the Qwen3-8B head (H200,
+# h200_2026-12-01f/call3_probe_walk10.log): M=4096 24.17 ms / 128.1 MiB temp (chunk 4096: 24.86 /
+# 96.0; the slice walk at 4096: 25.81 / 224.0), M=16384 95.95 / 512.3 (4096: 99.01 / 384.2; the
+# slice walk: 96.81 / 608.0); 16384 is slower at both.
+IN_PLACE_CHUNK = 8192
 
 
 def _chunking(v_rows: int, chunk: int) -> int:
     """The chunk length: `chunk`, or the whole vocabulary when it is shorter."""
     return min(chunk, v_rows)
+
+
+def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: str) -> bool:
+    """Whether the fused path would walk chunks of `chunk` (or the whole vocabulary) with the
+    backend's in-place kernels (`backends.InPlaceWalk`): shapes only, rows padded as the fused
+    path pads them (so the answer does not depend on the row count)."""
+    walk = getattr(dz, "in_place", None)
+    v_rows = weight.shape[0 if weight_layout == "vd" else 1]
+    chunk = _chunking(v_rows, chunk)
+    if walk is None or not dz.supports(hidden, weight, chunk, weight_layout):
+        return False
+    return walk.supports(dz.row_multiple, hidden.shape[1], v_rows, chunk, weight_layout)
 
 
 def backward(
@@ -103,7 +132,7 @@ def backward(
     g_logits,
     *,
     vocab_size: int,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     dz=None,
     weight_layout: str = "vd",
     entropy=None,
@@ -114,6 +143,8 @@ def backward(
 ):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
+    chunk: the vocab chunk length; None (the default) picks `IN_PLACE_CHUNK` when
+    the fused path would walk with the backend's in-place kernels, else `DEFAULT_CHUNK`.
     dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
     (used only without a logits cotangent, without `row_sums`, when it supports the
     operands and the chunk length, and, with an entropy cotangent, when it declares
@@ -137,6 +168,20 @@ def backward(
     """
     v_axis = 0 if weight_layout == "vd" else 1
     v_rows = weight.shape[v_axis]
+    fusable = (
+        dz is not None
+        and logits is None
+        and g_logits is None
+        and not row_sums
+        and (g_entropy is None or dz.entropy)
+        and weight_layout in dz.layouts
+    )
+    if chunk is None:
+        chunk = (
+            IN_PLACE_CHUNK
+            if fusable and _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout)
+            else DEFAULT_CHUNK
+        )
     chunk = _chunking(v_rows, chunk)
     if logits is not None:
         if logits.ndim != 2 or logits.shape[0] != hidden.shape[0] or not 1 <= logits.shape[1] <= v_rows:
@@ -153,15 +198,7 @@ def backward(
             raise ValueError("an entropy cotangent needs the forward's entropy")
         g_entropy = g_entropy.astype(jnp.float32)
         entropy = entropy.astype(jnp.float32)
-    fused_ok = (
-        dz is not None
-        and logits is None
-        and g_logits is None
-        and not row_sums
-        and (g_entropy is None or dz.entropy)
-        and weight_layout in dz.layouts
-        and dz.supports(hidden, weight, chunk, weight_layout)
-    )
+    fused_ok = fusable and dz.supports(hidden, weight, chunk, weight_layout)
     if fused_ok:
         out = _backward_fused_dz(
             hidden,
@@ -424,7 +461,7 @@ def _backward_fused_dz(
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
     v_axis = 0 if weight_layout == "vd" else 1
     walk = dz.in_place
-    if walk is not None and walk.supports(n_pad, hidden.shape[1], weight.shape[v_axis], chunk, weight_layout):
+    if _in_place_ok(dz, hidden, weight, chunk, weight_layout):
         dh, dw, db = _in_place_walk(
             walk, hp, weight, bias, tp, (it, lp, c1p, c2p), ent_kw, vocab_size, chunk, weight_layout, operands
         )

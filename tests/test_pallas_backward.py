@@ -352,3 +352,31 @@ def test_gradient_gemms_alias_their_output_to_operand_0():
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         calls = [ln for ln in txt.splitlines() if "mosaic_gpu" in ln and "custom_call" in ln]
         assert calls and all("output_operand_aliases" in ln for ln in calls), calls
+
+
+def test_default_chunk_follows_the_walk_not_the_rows():
+    """chunk=None: 8192 (`grad.IN_PLACE_CHUNK`) where the fused path walks with the in-place
+    kernels, 4096 (`grad.DEFAULT_CHUNK`) on the slice walk, at any row count (traced with
+    stand-in kernels that record what they were given)."""
+    import jax
+
+    entry = backends.get("pallas_sm90").dz
+    seen = []
+
+    def fake_dz(hp, w, b, t, it, lse, c1, c2, bounds, *, chunk, weight_layout, **k):
+        seen.append(("in_place", chunk))
+        return jnp.zeros((hp.shape[0], chunk), jnp.bfloat16)
+
+    def fake_fn(hp, w_c, *a, weight_layout, **k):
+        seen.append(("slices", w_c.shape[0 if weight_layout == "vd" else 1]))
+        return jnp.zeros((hp.shape[0], w_c.shape[0 if weight_layout == "vd" else 1]), jnp.bfloat16)
+
+    walk = dataclasses.replace(entry.in_place, dz=fake_dz, dh=lambda dh, *a, **k: dh, dw=lambda dw, *a, **k: dw)
+    S = jax.ShapeDtypeStruct
+    for d, n, want in ((4096, 4096, ("in_place", 8192)), (4096, 7, ("in_place", 8192)), (192, 4096, ("slices", 4096))):
+        seen.clear()
+        dzk = dataclasses.replace(entry, fn=fake_fn, in_place=walk)
+        vec = S((n,), jnp.float32)
+        args = (S((n, d), jnp.bfloat16), S((152064, d), jnp.bfloat16), None, S((n,), jnp.int32), vec, vec, vec, vec)
+        jax.eval_shape(lambda *a: grad.backward(*a, None, vocab_size=151936, dz=dzk), *args)
+        assert seen and seen[0] == want, (d, n, seen)
