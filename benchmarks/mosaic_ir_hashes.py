@@ -24,7 +24,9 @@ After those (the "base" set) come the kernels built with the entropy statistic
 `entropy`: the same forward variants at the Qwen3-8B [V, D] shape and the small
 shape, the [D, V] variants at the Qwen3-8B shape without bias, and both fold layouts.
 The base lines are the programs built before the statistic existed (a kernel built
-without it must not change when it is added).
+without it must not change when it is added). Last (with "base") come the backward's
+in-place chunk walk kernels (`walk_hashes`: lines `backward dz in_place`, `backward dh
+gemm`, `backward dw gemm`), after every older line so that the older lines keep their places.
 """
 
 from __future__ import annotations
@@ -161,6 +163,45 @@ def backward_hashes(entropy: bool = False):
         yield f"backward dz{tag} bias={bias}", _take()
 
 
+def walk_hashes():
+    """The backward's in-place chunk walk (tenth session; appended after the base set's older
+    lines): the dz kernel reading the whole weight at a traced offset ([V, D] with and without a
+    bias, [D, V]) and the two gradient GEMMs of `sm90_grad_gemm` in both layouts (dW also for a
+    last chunk's column range), with the shipped configs and the calls `grad` makes."""
+    from pallas_kernels import sm90_grad_gemm as gg
+
+    n, d, chunk, v = 256, 512, 512, 1536
+    row = [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4
+    for layout, bias in (("vd", False), ("vd", True), ("dv", False)):
+        w = _sds((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+        b = [_sds((v,), jnp.float32)] if bias else []
+        _lower(
+            sm90_dz.build,
+            [_sds((n, d), jnp.bfloat16), w] + b + row + [_sds((3,), jnp.int32)],
+            n_pad=n,
+            d=d,
+            chunk=chunk,
+            has_bias=bias,
+            num_ctas=132,
+            interpret=False,
+            interpret_params=None,
+            weight_layout=layout,
+            in_place=True,
+        )
+        yield f"backward dz in_place{' dv' if layout == 'dv' else ''} bias={bias}", _take()
+    start = _sds((), jnp.int32)
+    dz, h = _sds((n, chunk), jnp.bfloat16), _sds((n, d), jnp.bfloat16)
+    for layout in ("vd", "dv"):
+        w = _sds((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+        fn = lambda dh, dz, w, s, lay=layout: gg.dh_accumulate(dh, dz, w, s, weight_layout=lay)  # noqa: E731
+        jax.jit(fn).trace(_sds((n, d), jnp.float32), dz, w, start).lower(lowering_platforms=("cuda",))
+        yield f"backward dh gemm {layout}", _take()
+        for col0 in (0, 256):
+            fn = lambda dw, dz, h, s, lay=layout, c=col0: gg.dw_write(dw, dz, h, s, col0=c, weight_layout=lay)  # noqa: E731
+            jax.jit(fn).trace(w, dz, h, start).lower(lowering_platforms=("cuda",))
+            yield f"backward dw gemm {layout} col0={col0}", _take()
+
+
 def fold_hashes(entropy: bool = False):
     n, n_split = 300, 264
     for knobs in ({}, {"staged": False}):
@@ -189,6 +230,8 @@ def main(argv=None):
             lambda: fold_hashes(entropy=True),
             lambda: backward_hashes(entropy=True),
         ]
+    if "base" in which:
+        gens.append(walk_hashes)
     for gen in gens:
         for name, digest in gen():
             print(f"{digest}  {name}", flush=True)

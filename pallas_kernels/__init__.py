@@ -25,7 +25,8 @@ Flax/Tunix kernel; V a multiple of 64), same kernels, same bytes.
 Modules: `wrapper` (host side: `partials`, `unsupported`), one per kernel
 (`sm90_forward_wgmma`: the chain in the wgmma warpgroups; `sm90_forward_ws`:
 the chain in dedicated epilogue warpgroups; `sm90_fold`: the split fold;
-`sm90_dz`: the backward's dz), `common` (what the kernels share: tile
+`sm90_dz`: the backward's dz; `sm90_grad_gemm`: the backward's dh / dW GEMMs reading
+and writing in place), `common` (what the kernels share: tile
 constants, shard geometry, work items, the chain step, layouts, outputs),
 `tuning` (one frozen config per kernel, the bucket table, bit-neutral
 geometry), `tile_math` / `ptx_ops` / `ptx_programs` (the contract's per-tile

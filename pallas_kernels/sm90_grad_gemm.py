@@ -58,11 +58,19 @@ def _aliased_kernel(body, *, out_type, grid, num_threads, interpret, interpret_p
     (jax._src.pallas.mpmd._mpmd_map, private: pinned with the jax version, and
     tests/test_pallas_backward.py checks the aliasing in the lowered module). The body
     gets (operand refs..., out ref) where the out ref holds operand 0's values on entry."""
+    from jax._src import config
     from jax._src.pallas import mpmd
 
     mesh = plgpu.Mesh(grid=grid, grid_names=("cta",), num_threads=num_threads, thread_name="wg")
     kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
-    return mpmd._mpmd_map([(mesh, body)], out_type, input_output_aliases={0: 0}, **kw)
+
+    def run(*operands):
+        # As plgpu.kernel does: no vma typing through the call (inside shard_map with
+        # check_vma=True the result is unvarying; detlogp_jax.grad gives it the operands' axes).
+        with config._check_vma(False):
+            return mpmd._mpmd_map([(mesh, body)], out_type, input_output_aliases={0: 0}, **kw)(*operands)
+
+    return run
 
 
 def _build(

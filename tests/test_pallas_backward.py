@@ -380,3 +380,34 @@ def test_default_chunk_follows_the_walk_not_the_rows():
         args = (S((n, d), jnp.bfloat16), S((152064, d), jnp.bfloat16), None, S((n,), jnp.int32), vec, vec, vec, vec)
         jax.eval_shape(lambda *a: grad.backward(*a, None, vocab_size=151936, dz=dzk), *args)
         assert seen and seen[0] == want, (d, n, seen)
+
+
+def test_in_place_walk_inside_shard_map_with_vma_checks():
+    """Inside `jax.shard_map(..., check_vma=True)` (a one-device mesh: the vocab axis is manual)
+    the in-place walk traces (its kernels' results take the operands' mesh axes) and gives
+    the same bytes as outside (interpret mode)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(8)
+    n, d, v_rows, vocab, chunk = 12, 256, 1280, 1240, 512
+    h, w, b, t, inv_t, lse, g_logp, g_lse, _, _ = _walk_case(rng, n, d, v_rows, vocab)
+    entry = backends.get("pallas_sm90").dz
+    dzk = dataclasses.replace(
+        entry, fn=lambda *a, **k: pk.dz_chunk(*a, interpret=True, **k), in_place=_interpret_walk()
+    )
+
+    def local(h, w, b, t):
+        dh, dw, db = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=vocab, chunk=chunk, dz=dzk)
+        return dh[None], dw, db
+
+    mesh = jax.make_mesh((1,), ("tp",))
+    put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
+    f = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp"), P("tp")), check_vma=True
+    )
+    with row_invariant_wgmma():
+        got = jax.jit(f)(put(h, P()), put(w, P("tp")), put(b, P("tp")), put(t, P()))
+        want = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=vocab, chunk=chunk, dz=dzk)
+    for g_, e in zip((got[0][0], got[1], got[2]), want):
+        assert_bitwise_equal(np.asarray(g_, np.float32), np.asarray(e, np.float32))
