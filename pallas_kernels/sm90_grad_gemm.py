@@ -51,7 +51,7 @@ EPI = 64  # epilogue tile: [EPI, EPI] of the output per TMA store
 START_MULTIPLE = 64
 
 
-def _aliased_kernel(body, *, out_type, grid, num_threads, interpret, interpret_params):
+def _aliased_kernel(body, *, out_type, grid, cluster, num_threads, interpret, interpret_params):
     """`plgpu.kernel` whose first operand is also its output (updated in place).
 
     plgpu.kernel of jax 0.11.2 takes no input/output aliases; the mpmd map under it does
@@ -61,7 +61,8 @@ def _aliased_kernel(body, *, out_type, grid, num_threads, interpret, interpret_p
     from jax._src import config
     from jax._src.pallas import mpmd
 
-    mesh = plgpu.Mesh(grid=grid, grid_names=("cta",), num_threads=num_threads, thread_name="wg")
+    clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
+    mesh = plgpu.Mesh(grid=grid, grid_names=("cta",), num_threads=num_threads, thread_name="wg", **clusters)
     kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
 
     def run(*operands):
@@ -102,21 +103,27 @@ def _build(
     tm, tn = cfg.tile_m, cfg.tile_n
     wm, wn = cfg.wg_tile  # one consumer warpgroup's accumulator
     split_m = cfg.wg_split == "m"
-    assert m % tm == 0 and n % tn == 0 and k % TILE_K == 0, (m, n, k, cfg)
-    m_tiles, n_tiles, k_iters = m // tm, n // tn, k // TILE_K
+    cm, cn = cfg.cluster_tile
+    if cfg.cluster is not None and interpret:
+        raise ValueError("the interpreter has no TMA multicast: run cluster=None in interpret mode")
+    if m % cm or n % cn or k % TILE_K:
+        raise ValueError(f"sm90_grad_gemm: [{m}, {n}] x K={k} does not tile by {cm} x {cn} x {TILE_K} ({cfg})")
+    k_iters = k // TILE_K
+    # The shared operand of a cluster's two tiles is multicast (each CTA loads half of each block).
+    share = {"a": ("cluster",) if cfg.cluster == "n" else None, "b": ("cluster",) if cfg.cluster == "m" else None}
     stages = min(cfg.max_concurrent_steps, k_iters)
     tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     out_bytes = jnp.dtype(out_dtype).itemsize
     out_tr = (plgpu.TilingTransform((8, SWIZZLE // out_bytes)), plgpu.SwizzleTransform(SWIZZLE))
     a_spec = (
-        plgpu.BlockSpec((TILE_K, tm), lambda kk: (kk, 0), transforms=tr)
+        plgpu.BlockSpec((TILE_K, tm), lambda kk: (kk, 0), transforms=tr, collective_axes=share["a"])
         if a_t
-        else plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk), transforms=tr)
+        else plgpu.BlockSpec((tm, TILE_K), lambda kk: (0, kk), transforms=tr, collective_axes=share["a"])
     )
     b_spec = (
-        plgpu.BlockSpec((tn, TILE_K), lambda kk: (0, kk), transforms=tr)
+        plgpu.BlockSpec((tn, TILE_K), lambda kk: (0, kk), transforms=tr, collective_axes=share["b"])
         if b_t
-        else plgpu.BlockSpec((TILE_K, tn), lambda kk: (kk, 0), transforms=tr)
+        else plgpu.BlockSpec((TILE_K, tn), lambda kk: (kk, 0), transforms=tr, collective_axes=share["b"])
     )
     load = functools.partial(interpret_utils.load, interpret=interpret)
 
@@ -159,9 +166,14 @@ def _build(
         def _scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="cta")
+            @plgpu.nd_loop(((m // cm) * (n // cn),), collective_axes="cta")
             def _work(info):
-                nt, mt = common.work_item(info.index[0], n_tiles, m_tiles, cfg.col_group)
+                # a work item is a cluster's tiles; the CTA takes its own of them
+                nt, mt = common.work_item(info.index[0], n // cn, m // cm, cfg.col_group)
+                if cfg.cluster == "m":
+                    mt = mt * 2 + lax.axis_index("cluster")
+                elif cfg.cluster == "n":
+                    nt = nt * 2 + lax.axis_index("cluster")
                 m0, n0 = pl.multiple_of(mt * tm, tm), pl.multiple_of(nt * tn, tn)
                 wg_m = pl.multiple_of(wg * wm, wm) if split_m else 0  # this warpgroup's part of the tile
                 wg_n = 0 if split_m else pl.multiple_of(wg * wn, wn)
@@ -209,6 +221,7 @@ def _build(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(num_ctas,),
+        cluster=2 if cfg.cluster else 1,
         num_threads=3,
         interpret=interpret,
         interpret_params=interpret_params,
@@ -223,26 +236,40 @@ def _gemm_core(out, a, b, start, *, geom, **static):
     return _build(**dict(geom), out_shape=out.shape, out_dtype=out.dtype, **static)(out, a, b, start)
 
 
-def _ctas(m, n, cfg, num_ctas, interpret):
-    work = (m // cfg.tile_m) * (n // cfg.tile_n)
+def _run(out, a, b, start, geom: dict, cfg, num_ctas, interpret, interpret_params):
+    """`_build(**geom)` on (out, a, b, start) with one persistent CTA (or 2-CTA cluster) per
+    output tile (cluster tile), at most the SM count's worth (`num_ctas` forces the number of
+    CTAs, or of clusters with `cfg.cluster`)."""
+    cm, cn = cfg.cluster_tile
+    work = (geom["m"] // cm) * (geom["n"] // cn)
     if num_ctas is None:
-        num_ctas = 2 if interpret else tuning.default_num_sms()
-    return max(1, min(int(num_ctas), work))
+        num_ctas = 2 if interpret else tuning.default_num_sms() // (2 if cfg.cluster else 1)
+    return _gemm_core(
+        out,
+        a,
+        b,
+        jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+        geom=tuple(sorted(geom.items())),
+        num_ctas=max(1, min(int(num_ctas), work)),
+        cfg=cfg,
+        interpret=interpret,
+        interpret_params=interpret_params,
+    )
 
 
 def supported(n_pad: int, d: int, cols: int) -> bool:
     """Whether these kernels take a chunk walk with n_pad rows, hidden size d and chunks (and a
     last chunk's new columns) of `cols` columns in both layouts."""
-    cm, cn = tuning.DH_GEMM, tuning.DW_GEMM
-    ok_dh = n_pad % cm.tile_m == 0 and d % cm.tile_n == 0 and cols % TILE_K == 0
-    ok_dw = n_pad % TILE_K == 0 and cols_supported(cols) and d % cn.tile_m == 0 and d % cn.tile_n == 0
+    (hm, hn), (wm, wn) = tuning.DH_GEMM.cluster_tile, tuning.DW_GEMM.cluster_tile
+    ok_dh = n_pad % hm == 0 and d % hn == 0 and cols % TILE_K == 0
+    ok_dw = n_pad % TILE_K == 0 and cols_supported(cols) and d % wm == 0 and d % wn == 0
     return ok_dh and ok_dw
 
 
 def cols_supported(cols: int) -> bool:
     """Whether `dw_write` takes `cols` columns of dz (a last chunk's new columns) in both layouts."""
-    cfg = tuning.DW_GEMM
-    return cols % cfg.tile_m == 0 and cols % cfg.tile_n == 0
+    cm, cn = tuning.DW_GEMM.cluster_tile
+    return cols % cm == 0 and cols % cn == 0
 
 
 def dh_accumulate(
@@ -275,17 +302,7 @@ def dh_accumulate(
         out_off=(0, 0),
         accumulate=True,
     )
-    return _gemm_core(
-        dh.astype(F32),
-        dz,
-        weight,
-        jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
-        geom=tuple(sorted(geom.items())),
-        num_ctas=_ctas(n_pad, d, cfg, num_ctas, interpret),
-        cfg=cfg,
-        interpret=interpret,
-        interpret_params=interpret_params,
-    )
+    return _run(dh.astype(F32), dz, weight, start, geom, cfg, num_ctas, interpret, interpret_params)
 
 
 def dw_write(
@@ -312,20 +329,10 @@ def dw_write(
     d = hidden_p.shape[1]
     cols = chunk - col0 if cols is None else int(cols)
     if dv:  # dW[:, start + j] = sum_r h[r, i] dz[r, col0 + j]: A = h (transposed view), B = dz
-        geom = dict(m=d, n=cols, k=n_pad, a_t=True, b_t=False, a_off=(0, 0), b_off=(0, col0), out_off=(0, "start"))
-        a, b, (gm, gn) = hidden_p, dz, (d, cols)
+        geom = dict(m=d, n=cols, a_off=(0, 0), b_off=(0, col0), out_off=(0, "start"))
+        a, b = hidden_p, dz
     else:  # dW[start + i, j] = sum_r dz[r, col0 + i] h[r, j]: A = dz (transposed view), B = h
-        geom = dict(m=cols, n=d, k=n_pad, a_t=True, b_t=False, a_off=(0, col0), b_off=(0, 0), out_off=("start", 0))
-        a, b, (gm, gn) = dz, hidden_p, (cols, d)
-    geom["accumulate"] = False
-    return _gemm_core(
-        dw,
-        a,
-        b,
-        jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
-        geom=tuple(sorted(geom.items())),
-        num_ctas=_ctas(gm, gn, cfg, num_ctas, interpret),
-        cfg=cfg,
-        interpret=interpret,
-        interpret_params=interpret_params,
-    )
+        geom = dict(m=cols, n=d, a_off=(0, col0), b_off=(0, 0), out_off=("start", 0))
+        a, b = dz, hidden_p
+    geom.update(k=n_pad, a_t=True, b_t=False, accumulate=False)
+    return _run(dw, a, b, start, geom, cfg, num_ctas, interpret, interpret_params)

@@ -64,6 +64,13 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _require_int(cfg, field: str, low: int):
+    """`cfg.<field>` must be an int >= low (ValueError naming the field otherwise)."""
+    x = getattr(cfg, field)
+    what = "a positive int" if low == 1 else f"an int >= {low}"
+    _require(_is_int(x) and x >= low, cfg, f"{field} must be {what}, got {x}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     """The launch fields both forward kernels use. Build a `WgmmaForwardConfig` or a
@@ -87,21 +94,9 @@ class ForwardConfig:
         # pads M=4096 to 4224 rows, so the shapes alone differed (fixed in
         # benchmarks/experiments/probe_kernel.py since); whether the bytes match is unknown.
         _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
-        _require(
-            _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
-            self,
-            f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}",
-        )
-        _require(
-            _is_int(self.ctas_per_sm) and self.ctas_per_sm >= 1,
-            self,
-            f"ctas_per_sm must be a positive int, got {self.ctas_per_sm}",
-        )
-        _require(
-            _is_int(self.split_group) and self.split_group >= 0,
-            self,
-            f"split_group must be an int >= 0, got {self.split_group}",
-        )
+        _require_int(self, "max_concurrent_steps", 1)
+        _require_int(self, "ctas_per_sm", 1)
+        _require_int(self, "split_group", 0)
 
     @property
     def cta_rows(self) -> int:
@@ -127,11 +122,7 @@ class WgmmaForwardConfig(ForwardConfig):
     def __post_init__(self):
         super().__post_init__()
         _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
-        _require(
-            _is_int(self.logits_slots) and self.logits_slots >= 1,
-            self,
-            f"logits_slots must be a positive int, got {self.logits_slots}",
-        )
+        _require_int(self, "logits_slots", 1)
 
 
 # Registers per thread (setmaxnreg bounds) a wgmma warpgroup may ask for.
@@ -234,16 +225,8 @@ class DzConfig:
         _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
         _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
         _require(self.block_n in (64, 128, 192, 256), self, f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
-        _require(
-            _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
-            self,
-            f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}",
-        )
-        _require(
-            _is_int(self.col_group) and self.col_group >= 0,
-            self,
-            f"col_group must be an int >= 0, got {self.col_group}",
-        )
+        _require_int(self, "max_concurrent_steps", 1)
+        _require_int(self, "col_group", 0)
 
     @property
     def rows_per_cta(self) -> int:
@@ -296,24 +279,22 @@ class GradGemmConfig:
     wg_split: str = "m"
     max_concurrent_steps: int = 4  # pipeline depth
     col_group: int = 8  # work order (see above)
+    # None: one CTA per tile. "m" / "n": 2-CTA clusters on two tiles adjacent in rows (sharing B) /
+    # columns (sharing A), each CTA loading half of the shared operand's blocks and multicasting
+    # them to both (what cuBLAS's dW kernel does). Off: not measured yet (tenth session; probe
+    # group walk10). Operands must tile by the cluster's two tiles (`sm90_grad_gemm.supported`).
+    cluster: str | None = None
 
     def __post_init__(self):
         _require(self.wg_split in ("m", "n"), self, f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
+        _require(self.cluster in (None, "m", "n"), self, f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
         wm, wn = self.wg_tile
         _require(
             wm in (64, 128), self, f"a warpgroup's rows (tile_m, halved for wg_split 'm') must be 64 or 128, got {wm}"
         )
         _require(wn in (64, 128, 256), self, f"a warpgroup's columns (wgmma N) must be 64, 128 or 256, got {wn}")
-        _require(
-            _is_int(self.max_concurrent_steps) and self.max_concurrent_steps >= 1,
-            self,
-            f"max_concurrent_steps must be a positive int, got {self.max_concurrent_steps}",
-        )
-        _require(
-            _is_int(self.col_group) and self.col_group >= 0,
-            self,
-            f"col_group must be an int >= 0, got {self.col_group}",
-        )
+        _require_int(self, "max_concurrent_steps", 1)
+        _require_int(self, "col_group", 0)
 
     @property
     def wg_tile(self) -> tuple[int, int]:
@@ -321,6 +302,11 @@ class GradGemmConfig:
         if self.wg_split == "m":
             return self.tile_m // 2, self.tile_n
         return self.tile_m, self.tile_n // 2
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """(rows, columns) of the output a cluster covers (a CTA's tile without a cluster)."""
+        return (self.tile_m * (2 if self.cluster == "m" else 1), self.tile_n * (2 if self.cluster == "n" else 1))
 
 
 # M-bucketed launch table. Every entry must give identical bytes (tested).

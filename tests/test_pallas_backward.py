@@ -411,3 +411,40 @@ def test_in_place_walk_inside_shard_map_with_vma_checks():
         want = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=vocab, chunk=chunk, dz=dzk)
     for g_, e in zip((got[0][0], got[1], got[2]), want):
         assert_bitwise_equal(np.asarray(g_, np.float32), np.asarray(e, np.float32))
+
+
+@pytest.mark.parametrize("cluster", ["m", "n"])
+def test_gradient_gemms_with_clusters_lower_and_interpret_mode_refuses_them(cluster):
+    """`GradGemmConfig.cluster` (2-CTA clusters multicasting the shared operand; off by default,
+    not yet timed on the H200): both GEMMs in both layouts lower for CUDA on any machine; the
+    interpreter, which has no TMA multicast, refuses it; shapes that do not tile by the
+    cluster's two tiles are refused; an unknown cluster axis is refused."""
+    import jax
+
+    from pallas_kernels import sm90_grad_gemm as gg
+    from pallas_kernels import tuning
+
+    S = jax.ShapeDtypeStruct
+    dh_cfg = dataclasses.replace(tuning.DH_GEMM, cluster=cluster)
+    dw_cfg = dataclasses.replace(tuning.DW_GEMM, cluster=cluster)
+    n_pad, d, chunk, v = 256, 512, 512, 2048
+    dz, h, start = S((n_pad, chunk), jnp.bfloat16), S((n_pad, d), jnp.bfloat16), S((), jnp.int32)
+    for layout in ("vd", "dv"):
+        w = S((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+        fh = lambda dh, dz, w, s: gg.dh_accumulate(dh, dz, w, s, weight_layout=layout, cfg=dh_cfg)  # noqa: E731
+        fw = lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s, weight_layout=layout, cfg=dw_cfg)  # noqa: E731
+        jax.jit(fh).trace(S((n_pad, d), jnp.float32), dz, w, start).lower(lowering_platforms=("cuda",))
+        jax.jit(fw).trace(w, dz, h, start).lower(lowering_platforms=("cuda",))
+    rng = np.random.default_rng(9)
+    dzv = jnp.asarray(rng.standard_normal((n_pad, chunk)), jnp.bfloat16)
+    wv = jnp.asarray(rng.standard_normal((v, d)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="no TMA multicast"):
+        gg.dh_accumulate(jnp.zeros((n_pad, d), jnp.float32), dzv, wv, 0, cfg=dh_cfg, interpret=True)
+    with pytest.raises(ValueError, match="does not tile"):  # 128 rows: one tile, no pair of them
+        jax.jit(lambda dh, dz, w: gg.dh_accumulate(dh, dz, w, 0, cfg=dh_cfg)).trace(
+            S((128, 256 if cluster == "n" else 512), jnp.float32),
+            S((128, chunk), jnp.bfloat16),
+            S((v, 256 if cluster == "n" else 512), jnp.bfloat16),
+        )
+    with pytest.raises(ValueError, match="cluster must be"):
+        tuning.GradGemmConfig(cluster="k")

@@ -21,6 +21,7 @@ Device: an H200 (nvidia-h200). Times are medians over --samples samples of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import traceback
@@ -565,11 +566,19 @@ def main(argv):
         # warpgroup, shipped then), also timed tile_n 64 with 4 dh stages, col_group 0 and a dW
         # tile_m of 64; the second wg_split "m" (25.04 ms at M=4096 vs "n" 25.19; 98.99 vs 99.85 at
         # 16384, where the slice walk took 96.18), dW 256x128, dh 256x128 with 3 stages and
-        # col_group 16: none faster than the shipped configs (a variant: the entry's InPlaceWalk with
-        # dh / dw = functools.partial(sm90_grad_gemm.dh_accumulate / dw_write, cfg=...)).
-        # Now: the chunk length with the in-place walk, whose temp memory is only the dz chunk and dh.
-        variants = [("in_place chunk4096", entry, 4096), ("slices chunk4096", slices, 4096)]
-        variants += [(f"in_place chunk{c}", entry, c) for c in (8192, 16384)]
+        # col_group 16: none faster than the shipped configs; the third the chunk (8192 shipped).
+        # Now: 2-CTA clusters multicasting the shared operand (`GradGemmConfig.cluster`, off).
+        from pallas_kernels import sm90_grad_gemm
+
+        def with_cluster(cl):
+            w = entry.in_place
+            dh = functools.partial(sm90_grad_gemm.dh_accumulate, cfg=dataclasses.replace(tuning.DH_GEMM, cluster=cl))
+            dw = functools.partial(sm90_grad_gemm.dw_write, cfg=dataclasses.replace(tuning.DW_GEMM, cluster=cl))
+            return dataclasses.replace(entry, in_place=dataclasses.replace(w, dh=dh, dw=dw))
+
+        shipped = grad.IN_PLACE_CHUNK
+        variants = [("in_place", entry, shipped), ("slices", slices, grad.DEFAULT_CHUNK)]
+        variants += [(f"in_place cluster {cl}", with_cluster(cl), shipped) for cl in ("m", "n")]
         for m in (4096, 16384):
             arg_sets, lse, ones = bwd_setup(m)
             outs = {}
@@ -585,17 +594,18 @@ def main(argv):
                 except Exception as e:
                     temp_mb = f"{type(e).__name__}: {e}"[:200]
                 p.generic("walk10", f"backward {name} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
-                if chunk == 4096:
-                    name = name.split()[0]
-                    try:
-                        outs[name] = f(*arg_sets[0])
-                    except Exception as e:
-                        print(f"walk10 {name} at M={m}: {type(e).__name__}: {e}"[:400])
-            if len(outs) == 2:
-                for i, what in enumerate(("dh", "dW")):
-                    a, b = (np.asarray(outs[k][i], np.float32) for k in ("in_place", "slices"))
+                try:
+                    outs[name] = [np.asarray(x, np.float32) for x in f(*arg_sets[0])[:2]]
+                except Exception as e:
+                    print(f"walk10 {name} at M={m}: {type(e).__name__}: {e}"[:400])
+            base = outs.get("in_place")
+            for name, got in outs.items():
+                if base is None or name == "in_place":
+                    continue
+                for what, a, b in zip(("dh", "dW"), got, base):
                     rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-                    print(f"walk10 M={m} {what}: rel. Frobenius difference in_place vs slices = {rel:.3e}", flush=True)
+                    rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
+                    print(f"walk10 M={m} {what}: {name} vs in_place: rows differing {rows}, rel. Frobenius {rel:.3e}")
         # [D, V] weight (Flax / Tunix kernel) at M = 4096
         arg_sets, lse, ones = bwd_setup(4096)
         dv_sets = [(h, jnp.asarray(w.T), t) for h, w, t in arg_sets[:1]]
