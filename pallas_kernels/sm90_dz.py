@@ -18,7 +18,10 @@ bf16 [N, chunk]; the [N, chunk] FP32 logits never reach device memory. The
 backward is not part of the frozen contract: exp is the GPU's `expf` and
 XLA-style arithmetic is used, but every element is computed by one fixed
 instruction sequence (no split-K, no atomics, fixed tile walk), so two runs give
-identical bytes. `detlogp_jax.grad` calls it per chunk when the backend is
+identical bytes. `dz_in_place` is the same kernel reading the chunk from the whole
+weight (and bias) at a traced offset, for the chunk walk without copies
+(`backends.InPlaceWalk`; H200: its walk's dW bytes equal the slice walk's,
+benchmarks/results/h200_2026-12-01f/call3_probe_walk10.log). `detlogp_jax.grad` calls it per chunk when the backend is
 pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
 entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
 geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).

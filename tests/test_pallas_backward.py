@@ -384,8 +384,9 @@ def test_default_chunk_follows_the_walk_not_the_rows():
 
 def test_in_place_walk_inside_shard_map_with_vma_checks():
     """Inside `jax.shard_map(..., check_vma=True)` (a one-device mesh: the vocab axis is manual)
-    the in-place walk traces (its kernels' results take the operands' mesh axes) and gives
-    the same bytes as outside (interpret mode)."""
+    with the shard's vocab size traced from the rank (as `sharding.tp` passes it) the in-place
+    walk traces (its kernels' results take the operands' mesh axes) and gives the same bytes
+    as outside (interpret mode)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -398,7 +399,9 @@ def test_in_place_walk_inside_shard_map_with_vma_checks():
     )
 
     def local(h, w, b, t):
-        dh, dw, db = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=vocab, chunk=chunk, dz=dzk)
+        # as sharding.tp passes it: the shard's real columns, traced from the rank
+        v_loc = jnp.clip(vocab - jax.lax.axis_index("tp") * v_rows, 0, v_rows)
+        dh, dw, db = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=v_loc, chunk=chunk, dz=dzk)
         return dh[None], dw, db
 
     mesh = jax.make_mesh((1,), ("tp",))
