@@ -79,7 +79,8 @@ class InPlaceWalk:
     grad.backward uses it instead of slicing the weight and running XLA's gradient GEMMs
     when `supports(n_pad, d, v_rows, chunk, weight_layout)` holds (n_pad: the padded rows):
     per chunk [start, start + chunk), with bounds = int32 [3] (start, lo, hi) (absolute
-    columns; start a multiple of `start_multiple`),
+    columns; start = i * chunk, and v_rows - chunk for a last partial chunk: `supports`
+    sees v_rows and chunk, so it decides which offsets the kernels must take),
       dz = dz(hidden_p, weight, bias, targets, inv_t, lse, c1, c2, bounds, chunk=, c3=, h=,
               weight_layout=)    -- `DzKernel.fn`'s dz, with the whole weight / bias and
                                     absolute targets
@@ -95,7 +96,6 @@ class InPlaceWalk:
     dw: Callable
     supports: Callable[..., bool]
     dw_cols_supported: Callable[[int], bool]
-    start_multiple: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,6 @@ def backend_entry() -> Backend:
                     v_rows % sm90_grad_gemm.START_MULTIPLE == 0 and sm90_grad_gemm.supported(n_pad, d, chunk)
                 ),
                 dw_cols_supported=sm90_grad_gemm.cols_supported,
-                start_multiple=sm90_grad_gemm.START_MULTIPLE,
             ),
         ),
         description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",

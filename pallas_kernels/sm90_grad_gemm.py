@@ -14,12 +14,14 @@ its input's: `_aliased_kernel`), so the walk moves no weight-sized bytes besides
 GEMMs' own operand reads.
 
 Each element's sum: one FP32 accumulator per output element, K ascending in 64-wide
-pipeline steps of m64nNk16 wgmmas (N = `tuning.GradGemmConfig.tile_n`); dh's accumulator
-starts from the old dh value (dh_new = ((dh + p_0) + p_1) + ..., p_j the products of K
-step j, no separate add; interpret mode, whose accumulator cannot be stored to, adds the
-old value after the sum instead: the same arithmetic up to rounding). No split-K, no atomics, a fixed tile walk: two runs give
-identical bytes, and a row's dh does not depend on the other rows of the batch. The
-backward is not part of the frozen contract.
+pipeline steps of m64nNk16 wgmmas (N: a consumer warpgroup's columns,
+`tuning.GradGemmConfig.wg_tile`); dh's accumulator starts from the old dh value
+(dh_new = ((dh + p_0) + p_1) + ..., p_j the products of K step j, no separate add;
+interpret mode, whose accumulator cannot be stored to, adds the old value after the sum
+instead: the same arithmetic up to rounding). No split-K, no atomics, a fixed tile walk:
+two runs give identical bytes, and a row's dh does not depend on the other rows of the
+batch (H200: benchmarks/results/h200_2026-12-01f/call4_bench_recompute.log). The backward
+is not part of the frozen contract.
 
 Layouts. "vd" (weight [V, D]): dh's B operand is W[start + k, :] (K-major rows, read as
 B directly); dW_c = dz.T @ h is [chunk, D], A read through a transposed view of dz's
@@ -27,9 +29,11 @@ B directly); dW_c = dz.T @ h is [chunk, D], A read through a transposed view of 
 (read through `.T`); dW is [D, V] and dW[:, start : start + cols] = h.T @ dz, A read
 through a transposed view of hidden's blocks.
 
-Launch geometry: `tuning.DH_GEMM` / `tuning.DW_GEMM` (`tuning.GradGemmConfig`). Operands
-must tile exactly (`supported`): rows a multiple of tile_m, D and the chunk multiples of
-2 * tile_n; `detlogp_jax.grad` falls back to XLA's GEMMs otherwise.
+Launch geometry: `tuning.DH_GEMM` / `tuning.DW_GEMM` (`tuning.GradGemmConfig`: tile shape,
+how the two consumer warpgroups split it, pipeline depth, work order, and an off-by-default
+2-CTA cluster multicasting the shared operand). Operands must tile exactly (`supported`:
+rows, D and the chunk multiples of the (cluster) tile's sides, offsets multiples of
+`START_MULTIPLE`); `detlogp_jax.grad` keeps XLA's GEMMs on weight-chunk slices otherwise.
 """
 
 from __future__ import annotations
