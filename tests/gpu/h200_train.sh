@@ -10,7 +10,8 @@
 #   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 64, 512, 4096, 16384
 #   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
 #   walk      benchmarks.experiments.probe_kernel --groups walk10: the backward alone with the
-#             in-place chunk walk vs the slice walk (M = 4096, 16384, both layouts), GEMM configs
+#             shipped in-place chunk walk vs the slice walk and the gradient GEMMs' 2-CTA cluster
+#             variants (M = 4096, 16384; rows whose dh / dW bytes differ; [D, V] at 4096)
 #   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 #             (does XLA fuse the chunk walk's slices into the GEMMs?)
 # Everything lands in $OUT/results.tgz. Run from the repo root on the device.
