@@ -131,6 +131,28 @@ def forward_hashes(entropy: bool = False):
                     yield f"forward{tag} M={m} {name} logits={logits} bias={bias}", _take()
 
 
+def _lower_dz(n, d, chunk, w_shape, bias_shape, entropy, layout, in_place=False):
+    """Lowers the dz kernel as `sm90_dz.dz_chunk` (or `dz_in_place`) builds it for these shapes."""
+    args = [_sds((n, d), jnp.bfloat16), _sds(w_shape, jnp.bfloat16)]
+    args += [_sds(bias_shape, jnp.float32)] if bias_shape else []
+    args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * (6 if entropy else 4)
+    args += [_sds((3 if in_place else 2,), jnp.int32)]
+    _lower(
+        sm90_dz.build,
+        args,
+        n_pad=n,
+        d=d,
+        chunk=chunk,
+        has_bias=bias_shape is not None,
+        num_ctas=132,
+        interpret=False,
+        interpret_params=None,
+        has_entropy=entropy,
+        weight_layout=layout,
+        in_place=in_place,
+    )
+
+
 def backward_hashes(entropy: bool = False):
     """The dz kernel: the base set builds the [V, D] kernel without the entropy term
     (bias off/on); the entropy set the entropy term in both layouts and the [D, V]
@@ -143,22 +165,7 @@ def backward_hashes(entropy: bool = False):
         ]
     for ent, layout, bias in variants:
         w_shape = (chunk, d) if layout == "vd" else (d, chunk)
-        args = [_sds((n, d), jnp.bfloat16), _sds(w_shape, jnp.bfloat16)]
-        args += [_sds((chunk,), jnp.float32)] if bias else []
-        args += [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * (6 if ent else 4) + [_sds((2,), jnp.int32)]
-        extra = ({"has_entropy": True} if ent else {}) | ({"weight_layout": "dv"} if layout == "dv" else {})
-        _lower(
-            sm90_dz.build,
-            args,
-            n_pad=n,
-            d=d,
-            chunk=chunk,
-            has_bias=bias,
-            num_ctas=132,
-            interpret=False,
-            interpret_params=None,
-            **extra,
-        )
+        _lower_dz(n, d, chunk, w_shape, (chunk,) if bias else None, ent, layout)
         tag = (" entropy" if ent else "") + (" dv" if layout == "dv" else "")
         yield f"backward dz{tag} bias={bias}", _take()
 
@@ -171,23 +178,8 @@ def walk_hashes():
     from pallas_kernels import sm90_grad_gemm as gg
 
     n, d, chunk, v = 256, 512, 512, 1536
-    row = [_sds((n,), jnp.int32)] + [_sds((n,), jnp.float32)] * 4
     for layout, bias in (("vd", False), ("vd", True), ("dv", False)):
-        w = _sds((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
-        b = [_sds((v,), jnp.float32)] if bias else []
-        _lower(
-            sm90_dz.build,
-            [_sds((n, d), jnp.bfloat16), w] + b + row + [_sds((3,), jnp.int32)],
-            n_pad=n,
-            d=d,
-            chunk=chunk,
-            has_bias=bias,
-            num_ctas=132,
-            interpret=False,
-            interpret_params=None,
-            weight_layout=layout,
-            in_place=True,
-        )
+        _lower_dz(n, d, chunk, (v, d) if layout == "vd" else (d, v), (v,) if bias else None, False, layout, True)
         yield f"backward dz in_place{' dv' if layout == 'dv' else ''} bias={bias}", _take()
     start = _sds((), jnp.int32)
     dz, h = _sds((n, chunk), jnp.bfloat16), _sds((n, d), jnp.bfloat16)

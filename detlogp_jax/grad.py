@@ -176,12 +176,11 @@ def backward(
         and (g_entropy is None or dz.entropy)
         and weight_layout in dz.layouts
     )
-    if chunk is None:
-        chunk = (
-            IN_PLACE_CHUNK
-            if fusable and _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout)
-            else DEFAULT_CHUNK
-        )
+    if chunk is None:  # the walk picks the chunk (checked once: in_place below says the same)
+        in_place = fusable and _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout)
+        chunk = IN_PLACE_CHUNK if in_place else DEFAULT_CHUNK
+    else:
+        in_place = fusable and _in_place_ok(dz, hidden, weight, chunk, weight_layout)
     chunk = _chunking(v_rows, chunk)
     if logits is not None:
         if logits.ndim != 2 or logits.shape[0] != hidden.shape[0] or not 1 <= logits.shape[1] <= v_rows:
@@ -215,6 +214,7 @@ def backward(
             entropy=entropy,
             g_entropy=g_entropy,
             weight_layout=weight_layout,
+            in_place=in_place,
         )
         return out
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
@@ -418,9 +418,11 @@ def _backward_fused_dz(
     entropy=None,
     g_entropy=None,
     weight_layout="vd",
+    in_place=False,
 ):
     """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
-    g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32.
+    g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32. in_place: walk with
+    the backend's `dz.in_place` kernels (`_in_place_ok` held for this chunk), else the slice walk.
 
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) = c1 * p + c2 * onehot
     with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row; with an entropy
@@ -460,10 +462,9 @@ def _backward_fused_dz(
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
     v_axis = 0 if weight_layout == "vd" else 1
-    walk = dz.in_place
-    if _in_place_ok(dz, hidden, weight, chunk, weight_layout):
+    if in_place:
         dh, dw, db = _in_place_walk(
-            walk, hp, weight, bias, tp, (it, lp, c1p, c2p), ent_kw, vocab_size, chunk, weight_layout, operands
+            dz.in_place, hp, weight, bias, tp, (it, lp, c1p, c2p), ent_kw, vocab_size, chunk, weight_layout, operands
         )
     else:
         dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, v_axis)

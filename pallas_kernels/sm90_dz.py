@@ -234,25 +234,7 @@ def chunk_supported(chunk: int) -> bool:
     return chunk % tuning.DZ.block_n == 0
 
 
-def dz_chunk(
-    hidden_p,
-    w_c,
-    bias_c,
-    targets_c,
-    inv_t,
-    lse,
-    c1,
-    c2,
-    lo,
-    hi,
-    *,
-    c3=None,
-    h=None,
-    weight_layout: str = "vd",
-    interpret: bool = False,
-    interpret_params=None,
-    num_ctas: int | None = None,
-):
+def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **options):
     """dz [n_pad, chunk] bf16 for one vocab chunk (see the module docstring).
 
     hidden_p: [n_pad, D] bf16 with n_pad a multiple of `ROWS_PER_CTA`;
@@ -261,69 +243,22 @@ def dz_chunk(
     matches); inv_t, lse, c1, c2: [n_pad] f32 (c1 = c2 = 0 on padding rows;
     `detlogp_jax.grad` pads lse with +inf there: p = 0 for any bias < +inf);
     lo, hi: traced int32 column bounds (relative) of the columns that get a
-    gradient. c3, h: [n_pad] f32, both or neither: the entropy term (c3 = -inv_t * g_H,
-    h the forward's entropy; 0 on padding rows).
+    gradient. options (keywords, all optional): c3, h: [n_pad] f32, both or neither: the
+    entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
+    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas.
     """
-    chunk = w_c.shape[1 if common.check_weight_layout(weight_layout) else 0]
+    chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
-    return _launch(
-        hidden_p,
-        w_c,
-        bias_c,
-        targets_c,
-        (inv_t, lse, c1, c2),
-        c3,
-        h,
-        bounds,
-        chunk,
-        False,
-        weight_layout,
-        interpret,
-        interpret_params,
-        num_ctas,
-    )
+    return _launch(hidden_p, w_c, bias_c, targets_c, (inv_t, lse, c1, c2), bounds, chunk, False, **options)
 
 
-def dz_in_place(
-    hidden_p,
-    weight,
-    bias,
-    targets,
-    inv_t,
-    lse,
-    c1,
-    c2,
-    bounds,
-    *,
-    chunk: int,
-    c3=None,
-    h=None,
-    weight_layout: str = "vd",
-    interpret: bool = False,
-    interpret_params=None,
-    num_ctas: int | None = None,
-):
+def dz_in_place(hidden_p, weight, bias, targets, inv_t, lse, c1, c2, bounds, *, chunk: int, **options):
     """`dz_chunk` of the chunk [start, start + chunk) read in place from the whole weight (and bias):
     no slice of either is copied. bounds: int32 [3] = (start, lo, hi), start a multiple of 64 with
     start + chunk <= the weight's vocab entries; lo, hi and `targets` are absolute columns (dz = 0
-    outside lo <= col < hi). The bytes are `dz_chunk`'s for the same chunk (the same wgmma sequence
-    on the same K slices, the same per-element arithmetic)."""
-    return _launch(
-        hidden_p,
-        weight,
-        bias,
-        targets,
-        (inv_t, lse, c1, c2),
-        c3,
-        h,
-        bounds,
-        chunk,
-        True,
-        weight_layout,
-        interpret,
-        interpret_params,
-        num_ctas,
-    )
+    outside lo <= col < hi); options: `dz_chunk`'s. The bytes are `dz_chunk`'s for the same chunk
+    (the same wgmma sequence on the same K slices, the same per-element arithmetic)."""
+    return _launch(hidden_p, weight, bias, targets, (inv_t, lse, c1, c2), bounds, chunk, True, **options)
 
 
 def _launch(
@@ -332,15 +267,16 @@ def _launch(
     bias,
     targets,
     rows,
-    c3,
-    h,
     bounds,
     chunk,
     in_place,
-    weight_layout,
-    interpret,
-    interpret_params,
-    num_ctas,
+    *,
+    c3=None,
+    h=None,
+    weight_layout: str = "vd",
+    interpret: bool = False,
+    interpret_params=None,
+    num_ctas: int | None = None,
 ):
     if (c3 is None) != (h is None):
         raise ValueError("the entropy term needs both c3 and h")

@@ -269,10 +269,11 @@ class GradGemmConfig:
     accumulator per element, K ascending); its two consumer warpgroups split the tile's rows
     (wg_split "m": [tile_m / 2, tile_n] each, wgmma N = tile_n) or its columns ("n": [tile_m,
     tile_n / 2] each). Work items (output tiles) are ordered in groups of `col_group` column
-    tiles, the column tile fastest inside a group (0: row tiles fastest). Every element's sum
-    is the same walk over K whatever the fields are (only where and when it runs changes,
-    and the wgmma N width); the backward is deterministic (same bytes run to run), not part
-    of the frozen contract."""
+    tiles, the column tile fastest inside a group (0: row tiles fastest). tile_m,
+    max_concurrent_steps, col_group and cluster change only where and when each element's sum
+    over K runs; tile_n and wg_split also set the wgmma instruction's N (whether that changes a
+    byte was not measured). The backward is deterministic (same bytes run to run), not part of
+    the frozen contract."""
 
     tile_m: int = 128
     tile_n: int = 256

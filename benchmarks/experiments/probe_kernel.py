@@ -579,15 +579,31 @@ def main(argv):
         shipped = grad.IN_PLACE_CHUNK
         variants = [("in_place", entry, shipped), ("slices", slices, grad.DEFAULT_CHUNK)]
         variants += [(f"in_place cluster {cl}", with_cluster(cl), shipped) for cl in ("m", "n")]
+
+        def backward_fn(dzk, chunk, lse, ones, layout="vd"):
+            return jax.jit(
+                lambda h, w, t: grad.backward(
+                    h,
+                    w,
+                    None,
+                    t,
+                    ones,
+                    lse,
+                    ones,
+                    jnp.zeros_like(ones),
+                    None,
+                    vocab_size=V_REAL,
+                    dz=dzk,
+                    chunk=chunk,
+                    weight_layout=layout,
+                )
+            )
+
         for m in (4096, 16384):
             arg_sets, lse, ones = bwd_setup(m)
             outs = {}
             for name, dzk, chunk in variants:
-                f = jax.jit(
-                    lambda h, w, t, lse=lse, ones=ones, dzk=dzk, c=chunk: grad.backward(
-                        h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=dzk, chunk=c
-                    )
-                )
+                f = backward_fn(dzk, chunk, lse, ones)
                 try:
                     mem = f.lower(*arg_sets[0]).compile().memory_analysis()
                     temp_mb = getattr(mem, "temp_size_in_bytes", 0) / 2**20
@@ -609,23 +625,8 @@ def main(argv):
         # [D, V] weight (Flax / Tunix kernel) at M = 4096
         arg_sets, lse, ones = bwd_setup(4096)
         dv_sets = [(h, jnp.asarray(w.T), t) for h, w, t in arg_sets[:1]]
-        for name, dzk, _ in variants[:2]:
-            f = jax.jit(
-                lambda h, w, t, lse=lse, ones=ones, dzk=dzk: grad.backward(
-                    h,
-                    w,
-                    None,
-                    t,
-                    ones,
-                    lse,
-                    ones,
-                    jnp.zeros_like(ones),
-                    None,
-                    vocab_size=V_REAL,
-                    dz=dzk,
-                    weight_layout="dv",
-                )
-            )
+        for name, dzk, chunk in variants[:2]:
+            f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
 
     if "backward" in groups:

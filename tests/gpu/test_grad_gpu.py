@@ -1,12 +1,14 @@
 """Gradients of the pallas_sm90 path on a real Hopper GPU (skipped elsewhere).
 
 The backward recomputes z per vocab chunk with the fused Pallas dz kernel
-(`pallas_kernels.sm90_dz`) and runs the two gradient GEMMs in XLA
-(`detlogp_jax.grad`). Checked here: gradients w.r.t. hidden, weight and bias of
+(`pallas_kernels.sm90_dz`) and runs the two gradient GEMMs either in place in Pallas
+(`pallas_kernels.sm90_grad_gemm`, where they tile the operands) or in XLA on weight-chunk
+slices (`detlogp_jax.grad`). Checked here: gradients w.r.t. hidden, weight and bias of
 sum(g_logp * logp + g_lse * lse) against float64 autodiff of the materialized
 math (relative Frobenius error < 1e-2 with bf16 operands, the documented
 tolerance) with bias, per-row temperature, a padded vocabulary and ignored
-rows; the fused path against the XLA-formed dz; two runs give identical bytes.
+rows; the fused path against the XLA-formed dz with both walks; two runs give identical
+bytes; with the in-place walk a row's dh bytes do not depend on its batch.
 """
 
 import jax
