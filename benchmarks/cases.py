@@ -4,6 +4,8 @@ Backends:
   pallas_sm90, reference, xla  -> `detlogp_jax.linear_logp(backend=...)`
   xla_chunked                  -> `baselines.chunked_logp` (2048-row vocab blocks)
   gemm                         -> `baselines.gemm`, the GEMM alone (ceiling)
+  gemm_remat                   -> the same GEMM with its logits rematerialized in the backward
+                                  (fwd_bwd only: the four GEMM passes a recompute backward needs)
 
 Entries: trainer (logp, lse) or serving (also FP32 logits; for gemm the GEMM
 output is the logits either way). Weight layouts: "vd" (W [V_rows, D], the
@@ -11,7 +13,9 @@ lm_head layout) or "dv" (the [D, V_rows] Flax/Tunix kernel, made once by
 `make_weight` outside the timed region and passed with weight_layout="dv", so
 the library backends read it in place; xla_chunked and gemm take "vd" only). Modes: fwd, or fwd_bwd = value_and_grad
 w.r.t. hidden and weight of sum(logp) (+ 0.01 * sum(entropy) for an entropy case; for gemm: of 0.5 * sum(z**2), so the
-backward is two real GEMMs rather than a broadcast XLA could simplify away).
+backward is two real GEMMs rather than a broadcast XLA could simplify away; gemm_remat takes that
+loss under `jax.checkpoint`, so its backward recomputes z first: the floor of the library's recompute
+mode, which keeps no [N, V] logits either).
 Residuals (fwd_bwd, library backends): "recompute" (the default: the backward
 recomputes the logits chunk by chunk) or "logits" (`linear_logp(residuals="logits")`:
 the forward keeps its FP32 logits [M, V] and the backward runs only the dh / dW GEMMs);
@@ -38,7 +42,8 @@ from detlogp_jax import api as detlogp_api
 from detlogp_jax import backends as detlogp_backends
 
 LIBRARY_BACKENDS = ("pallas_sm90", "reference", "xla")
-ALL_BACKENDS = LIBRARY_BACKENDS + ("xla_chunked", "gemm")
+GEMM_BACKENDS = ("gemm", "gemm_remat")
+ALL_BACKENDS = LIBRARY_BACKENDS + ("xla_chunked",) + GEMM_BACKENDS
 ENTRIES = ("trainer", "serving")
 MODES = ("fwd", "fwd_bwd")
 RESIDUALS = ("recompute", "logits")
@@ -75,6 +80,8 @@ class CaseSpec:
             raise ValueError(f"residuals must be in {RESIDUALS}, got {self.residuals!r}")
         if self.residuals != "recompute" and self.mode != "fwd_bwd":
             raise ValueError(f"residuals={self.residuals!r} changes only the backward: use it with mode='fwd_bwd'")
+        if self.backend == "gemm_remat" and self.mode != "fwd_bwd":
+            raise ValueError("gemm_remat differs from gemm only in its backward: use it with mode='fwd_bwd'")
         if self.entropy and self.backend not in LIBRARY_BACKENDS:
             raise ValueError(f"entropy cases need a library backend {LIBRARY_BACKENDS}, got {self.backend!r}")
 
@@ -174,7 +181,7 @@ def _gemm_forward(spec: CaseSpec) -> CaseFn:
 
 
 def _loss(spec: CaseSpec, out: dict):
-    if spec.backend == "gemm":
+    if spec.backend in GEMM_BACKENDS:
         z = out["logits"].astype(jnp.float32)
         return 0.5 * jnp.sum(z * z)
     if spec.entropy:  # a loss that uses the entropy too (an entropy bonus): its term is in the backward
@@ -188,6 +195,8 @@ def _with_grad(spec: CaseSpec, forward: CaseFn) -> CaseFn:
             out = forward(h, w, targets)
             return _loss(spec, out), out
 
+        if spec.backend == "gemm_remat":  # the backward keeps only (h, w) and recomputes z
+            loss = jax.checkpoint(loss)
         (_, out), (d_hidden, d_weight) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, weight)
         return {**out, "d_hidden": d_hidden, "d_weight": d_weight}
 

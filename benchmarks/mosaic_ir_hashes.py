@@ -26,7 +26,8 @@ shape, the [D, V] variants at the Qwen3-8B shape without bias, and both fold lay
 The base lines are the programs built before the statistic existed (a kernel built
 without it must not change when it is added). Last (with "base") come the backward's
 in-place chunk walk kernels (`walk_hashes`: lines `backward dz in_place`, `backward dh
-gemm`, `backward dw gemm`), after every older line so that the older lines keep their places.
+gemm`, `backward dw gemm`), after every older line so that the older lines keep their places;
+`python -m benchmarks.mosaic_ir_hashes walk` prints those lines alone.
 """
 
 from __future__ import annotations
@@ -209,9 +210,9 @@ def fold_hashes(entropy: bool = False):
 
 def main(argv=None):
     which = (sys.argv[1:] if argv is None else argv) or ["base", "entropy"]
-    bad = set(which) - {"base", "entropy"}
+    bad = set(which) - {"base", "entropy", "walk"}
     if bad:
-        raise SystemExit(f"usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy]; unknown {sorted(bad)}")
+        raise SystemExit(f"usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk]; unknown {sorted(bad)}")
     _capture_modules()
     gens = []
     if "base" in which:
@@ -222,7 +223,7 @@ def main(argv=None):
             lambda: fold_hashes(entropy=True),
             lambda: backward_hashes(entropy=True),
         ]
-    if "base" in which:
+    if "base" in which or "walk" in which:  # "walk" alone: the in-place walk's lines only
         gens.append(walk_hashes)
     for gen in gens:
         for name, digest in gen():

@@ -179,6 +179,7 @@ _STYLES = {
     "xla": dict(color="tab:blue", marker="s"),
     "xla_chunked": dict(color="tab:green", marker="^"),
     "gemm": dict(color="black", marker="x", ls="--"),
+    "gemm_remat": dict(color="dimgray", marker="+", ls="--"),
 }
 
 
@@ -195,7 +196,9 @@ def plot(
     for backend in dict.fromkeys(c.backend for c in cases):
         ok = sorted((c.m, c.median_ms) for c in cases if c.backend == backend and c.status == "ok")
         if ok:
-            label = "gemm (GEMM alone)" if backend == "gemm" else backend
+            label = {"gemm": "gemm (GEMM alone)", "gemm_remat": "gemm_remat (GEMM alone, logits recomputed)"}.get(
+                backend, backend
+            )
             ax.plot([m for m, _ in ok], [t for _, t in ok], label=label, **_STYLES.get(backend, {}))
     if floors:
         ms = [f["m"] for f in floors]

@@ -30,14 +30,16 @@ B directly); dW_c = dz.T @ h is [chunk, D], A read through a transposed view of 
 through a transposed view of hidden's blocks.
 
 Launch geometry: `tuning.DH_GEMM` / `tuning.DW_GEMM` (`tuning.GradGemmConfig`: tile shape,
-how the two consumer warpgroups split it, pipeline depth, work order, and an off-by-default
-2-CTA cluster multicasting the shared operand). Operands must tile exactly (`supported`:
-rows, D and the chunk multiples of the (cluster) tile's sides, offsets multiples of
+how the two consumer warpgroups split it, pipeline depth, work order, and the 2-CTA cluster
+multicasting the shared operand, shipped on; `_config` drops it where the output does not
+tile by the cluster's two tiles, and in interpret mode). Operands must tile exactly
+(`supported`: rows, D and the chunk multiples of a CTA tile's sides, offsets multiples of
 `START_MULTIPLE`); `detlogp_jax.grad` keeps XLA's GEMMs on weight-chunk slices otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -263,8 +265,10 @@ def _run(out, a, b, start, geom: dict, cfg, num_ctas, interpret, interpret_param
 
 def supported(n_pad: int, d: int, cols: int) -> bool:
     """Whether these kernels take a chunk walk with n_pad rows, hidden size d and chunks (and a
-    last chunk's new columns) of `cols` columns in both layouts."""
-    (hm, hn), (wm, wn) = tuning.DH_GEMM.cluster_tile, tuning.DW_GEMM.cluster_tile
+    last chunk's new columns) of `cols` columns in both layouts (a shape that tiles by a CTA's
+    tile but not by a cluster's two runs without the cluster: `_config`)."""
+    hm, hn = tuning.DH_GEMM.tile_m, tuning.DH_GEMM.tile_n
+    wm, wn = tuning.DW_GEMM.tile_m, tuning.DW_GEMM.tile_n
     ok_dh = n_pad % hm == 0 and d % hn == 0 and cols % TILE_K == 0
     ok_dw = n_pad % TILE_K == 0 and cols_supported(cols) and d % wm == 0 and d % wn == 0
     return ok_dh and ok_dw
@@ -272,8 +276,22 @@ def supported(n_pad: int, d: int, cols: int) -> bool:
 
 def cols_supported(cols: int) -> bool:
     """Whether `dw_write` takes `cols` columns of dz (a last chunk's new columns) in both layouts."""
-    cm, cn = tuning.DW_GEMM.cluster_tile
-    return cols % cm == 0 and cols % cn == 0
+    return cols % tuning.DW_GEMM.tile_m == 0 and cols % tuning.DW_GEMM.tile_n == 0
+
+
+def _config(cfg, shipped: tuning.GradGemmConfig, m: int, n: int, interpret: bool) -> tuning.GradGemmConfig:
+    """An explicit `cfg` as given (refused where it cannot run); else the shipped config, without
+    its 2-CTA cluster where the interpreter runs (it has no TMA multicast) or the [m, n] output
+    does not tile by the cluster's two tiles. Dropping the cluster changes no byte: a cluster
+    changes only which CTA's TMA brings a shared block into shared memory, not the sum each
+    element's accumulator forms (H200: rows differing 0 in dh and dW, both cluster axes,
+    benchmarks/results/h200_2026-12-02/call1_probe_walk10.log)."""
+    if cfg is not None:
+        return cfg
+    cm, cn = shipped.cluster_tile
+    if shipped.cluster is not None and (interpret or m % cm or n % cn):
+        return dataclasses.replace(shipped, cluster=None)
+    return shipped
 
 
 def dh_accumulate(
@@ -291,10 +309,10 @@ def dh_accumulate(
     """dh + dz @ W[start : start + chunk] (vd; "dv": dz @ W[:, start : start + chunk].T) as a new
     FP32 [n_pad, D] array whose buffer is dh's (XLA updates it in place when dh is dead after).
     dz: [n_pad, chunk] bf16; weight: the whole weight; start: traced int32 (start + chunk <= V)."""
-    cfg = cfg or tuning.DH_GEMM
     dv = common.check_weight_layout(weight_layout)
     n_pad, chunk = dz.shape
     d = dh.shape[1]
+    cfg = _config(cfg, tuning.DH_GEMM, n_pad, d, interpret)
     geom = dict(
         m=n_pad,
         n=d,
@@ -327,7 +345,6 @@ def dw_write(
     @ hidden_p (resp. hidden_p.T @ dz[:, ...]) in dW's dtype (FP32 accumulation, rounded once); the
     other entries keep dW's values (the buffer is dW's: written in place). dz: [n_pad, chunk] bf16,
     hidden_p: [n_pad, D] bf16; col0, cols: static (cols defaults to the rest of the chunk)."""
-    cfg = cfg or tuning.DW_GEMM
     dv = common.check_weight_layout(weight_layout)
     n_pad, chunk = dz.shape
     d = hidden_p.shape[1]
@@ -339,4 +356,5 @@ def dw_write(
         geom = dict(m=cols, n=d, a_off=(0, col0), b_off=(0, 0), out_off=("start", 0))
         a, b = dz, hidden_p
     geom.update(k=n_pad, a_t=True, b_t=False, accumulate=False)
+    cfg = _config(cfg, tuning.DW_GEMM, geom["m"], geom["n"], interpret)
     return _run(dw, a, b, start, geom, cfg, num_ctas, interpret, interpret_params)

@@ -282,8 +282,9 @@ class GradGemmConfig:
     col_group: int = 8  # work order (see above)
     # None: one CTA per tile. "m" / "n": 2-CTA clusters on two tiles adjacent in rows (sharing B) /
     # columns (sharing A), each CTA loading half of the shared operand's blocks and multicasting
-    # them to both (what cuBLAS's dW kernel does). Off: not measured yet (tenth session; probe
-    # group walk10). Operands must tile by the cluster's two tiles (`sm90_grad_gemm.supported`).
+    # them to both (what cuBLAS's dW kernel does). The shipped DH_GEMM / DW_GEMM take "m" (below);
+    # an output that does not tile by the cluster's two tiles runs without it
+    # (`sm90_grad_gemm._config`: the same bytes).
     cluster: str | None = None
 
     def __post_init__(self):
@@ -357,11 +358,15 @@ BUCKETS: dict[str, ForwardConfig] = {
 }
 
 # The fold's and the dz kernel's shipped configs; the gradient GEMMs' (dh: FP32
-# in and out, so one stage fewer for its FP32 staging tiles).
+# in and out, so one stage fewer for its FP32 staging tiles). Both GEMMs run in 2-CTA
+# clusters on row-adjacent tiles multicasting the B operand (eleventh session; the same dh / dW
+# bytes as without, 0 rows differing; H200, the recompute backward alone at the Qwen3-8B head:
+# M = 4096 23.90 vs 24.29 ms, 16384 96.22 vs 96.89; the column-adjacent pair 24.34 / 96.78;
+# benchmarks/results/h200_2026-12-02/call1_probe_walk10.log).
 FOLD = FoldConfig()
 DZ = DzConfig()
-DH_GEMM = GradGemmConfig(max_concurrent_steps=3)
-DW_GEMM = GradGemmConfig()
+DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
+DW_GEMM = GradGemmConfig(cluster="m")
 
 # Shared memory the TMA pipeline may use per CTA (H200: 227 KiB per block;
 # the rest is left for the logits staging tiles and barriers).

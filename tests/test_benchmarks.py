@@ -172,6 +172,30 @@ def test_unknown_backend_rejected():
         cases.CaseSpec("nope", shapes.get("tiny"))
 
 
+def test_gemm_remat_lane_runs_four_gemms_with_the_gemm_lanes_gradients():
+    """gemm_remat (the recompute mode's floor): the GEMM-alone loss under jax.checkpoint compiles
+    to four dots where the gemm lane has three, its gradients are the gemm lane's bytes (the
+    recomputed logits are the forward's), and it is refused outside fwd_bwd."""
+    import re
+
+    sh = shapes.get("tiny")
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.standard_normal((64, sh.d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((sh.v_rows, sh.d)) / 8, jnp.bfloat16)
+    t = jnp.zeros((64,), jnp.int32)
+    got = {}
+    for b in ("gemm", "gemm_remat"):
+        f = jax.jit(cases.build(cases.CaseSpec(b, sh, mode="fwd_bwd")))
+        hlo = f.lower(h, w, t).compile().as_text()
+        got[b] = (len(re.findall(r"\bdot\(", hlo)), f(h, w, t))
+    assert got["gemm"][0] == 3 and got["gemm_remat"][0] == 4, {b: n for b, (n, _) in got.items()}
+    for k in ("d_hidden", "d_weight"):
+        a, r = np.asarray(got["gemm"][1][k], np.float32), np.asarray(got["gemm_remat"][1][k], np.float32)
+        assert np.array_equal(a.view(np.uint32), r.view(np.uint32)), k
+    with pytest.raises(ValueError, match="fwd_bwd"):
+        cases.CaseSpec("gemm_remat", sh, mode="fwd")
+
+
 def test_progress_log_parser_rebuilds_cases():
     from benchmarks import from_log
 

@@ -418,10 +418,11 @@ def test_in_place_walk_inside_shard_map_with_vma_checks():
 
 @pytest.mark.parametrize("cluster", ["m", "n"])
 def test_gradient_gemms_with_clusters_lower_and_interpret_mode_refuses_them(cluster):
-    """`GradGemmConfig.cluster` (2-CTA clusters multicasting the shared operand; off by default,
-    not yet timed on the H200): both GEMMs in both layouts lower for CUDA on any machine; the
-    interpreter, which has no TMA multicast, refuses it; shapes that do not tile by the
-    cluster's two tiles are refused; an unknown cluster axis is refused."""
+    """`GradGemmConfig.cluster` (2-CTA clusters multicasting the shared operand; "m" shipped):
+    both GEMMs in both layouts lower for CUDA on any machine with either axis; the interpreter,
+    which has no TMA multicast, refuses an explicit cluster config; shapes that do not tile by
+    the cluster's two tiles are refused when the config is explicit; an unknown cluster axis is
+    refused."""
     import jax
 
     from pallas_kernels import sm90_grad_gemm as gg
@@ -451,3 +452,30 @@ def test_gradient_gemms_with_clusters_lower_and_interpret_mode_refuses_them(clus
         )
     with pytest.raises(ValueError, match="cluster must be"):
         tuning.GradGemmConfig(cluster="k")
+
+
+def test_shipped_gradient_gemms_drop_their_cluster_only_where_it_cannot_run():
+    """The shipped DH_GEMM / DW_GEMM run in 2-CTA clusters; `_config` keeps the cluster where
+    the output tiles by the cluster's two tiles on a GPU, and drops it (the same bytes) where
+    it does not (128 rows for dh: one row tile) and in interpret mode; an explicit config is
+    kept as given. `supported` asks only for a CTA tile, so a walk of 128 rows still takes the
+    kernels, and such a call lowers for CUDA."""
+    import jax
+
+    from pallas_kernels import sm90_grad_gemm as gg
+    from pallas_kernels import tuning
+
+    assert tuning.DH_GEMM.cluster == "m" and tuning.DW_GEMM.cluster == "m"
+    assert gg._config(None, tuning.DH_GEMM, 256, 512, False).cluster == "m"
+    assert gg._config(None, tuning.DH_GEMM, 128, 512, False).cluster is None
+    assert gg._config(None, tuning.DH_GEMM, 256, 512, True).cluster is None
+    assert gg._config(None, tuning.DW_GEMM, 4608, 4096, False).cluster == "m"
+    explicit = dataclasses.replace(tuning.DH_GEMM, cluster="n")
+    assert gg._config(explicit, tuning.DH_GEMM, 128, 512, True) is explicit
+    assert gg.supported(128, 512, 512) and not gg.supported(64, 512, 512)
+    assert gg.cols_supported(256) and not gg.cols_supported(192)
+
+    S = jax.ShapeDtypeStruct
+    dz, w = S((128, 512), jnp.bfloat16), S((2048, 512), jnp.bfloat16)
+    fh = lambda dh, dz, w, s: gg.dh_accumulate(dh, dz, w, s)  # noqa: E731
+    jax.jit(fh).trace(S((128, 512), jnp.float32), dz, w, S((), jnp.int32)).lower(lowering_platforms=("cuda",))

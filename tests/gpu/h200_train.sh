@@ -4,7 +4,8 @@
 # comma-separated; default all, in this order), one device call of <= ~8 minutes:
 #   grad      tests/gpu/test_grad_gpu.py + tests/gpu/test_residuals_gpu.py (float64 comparison, both
 #             residual modes, both layouts, run-to-run identical bytes)
-#   bench     benchmarks.run --mode fwd_bwd at M = 4096, 16384: pallas_sm90 (recompute), xla, gemm;
+#   bench     benchmarks.run --mode fwd_bwd at M = 4096, 16384: pallas_sm90 (recompute), xla, gemm,
+#             gemm_remat (the GEMM alone with its logits recomputed: the recompute mode's four passes);
 #             then pallas_sm90 with --residuals logits (peak_MB / temp_MB in the JSON), and the
 #             [D, V] kernel (--weight_layout dv, recompute) at M = 4096
 #   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 64, 512, 4096, 16384
@@ -25,7 +26,7 @@ if [[ $STAGES == *,grad,* ]]; then
   TAILN=10 stage grad_tests 220 python3 -m pytest -q -x -rw tests/gpu/test_grad_gpu.py tests/gpu/test_residuals_gpu.py
 fi
 if [[ $STAGES == *,bench,* ]]; then
-  TAILN=10 stage bench_recompute 150 $RUN --m "$MS" --backends pallas_sm90,xla,gemm --plot none --out "$OUT/fwd_bwd_recompute.json"
+  TAILN=10 stage bench_recompute 190 $RUN --m "$MS" --backends pallas_sm90,xla,gemm,gemm_remat --plot none --out "$OUT/fwd_bwd_recompute.json"
   TAILN=6 stage bench_logits 90 $RUN --m "$MS" --backends pallas_sm90 --residuals logits --plot none --out "$OUT/fwd_bwd_logits.json"
   TAILN=6 stage bench_dv 90 $RUN --m 4096 --backends pallas_sm90 --weight_layout dv --plot none --out "$OUT/fwd_bwd_dv.json"
 fi
