@@ -223,10 +223,15 @@ def build(
         "has_entropy",
         "weight_layout",
         "in_place",
+        "cfg",
     ),
 )
-def _dz_core(*args, **static):
-    return build(**static)(*args)
+def _dz_core(*args, cfg, **static):
+    if isinstance(cfg, tuning.DzWsConfig):  # the dedicated-epilogue variant (same operands and result)
+        from pallas_kernels import sm90_dz_ws
+
+        return sm90_dz_ws.build(cfg=cfg, **static)(*args)
+    return build(cfg=cfg, **static)(*args)
 
 
 def chunk_supported(chunk: int) -> bool:
@@ -245,7 +250,9 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **opt
     lo, hi: traced int32 column bounds (relative) of the columns that get a
     gradient. options (keywords, all optional): c3, h: [n_pad] f32, both or neither: the
     entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
-    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas.
+    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas, cfg (a `tuning.DzConfig`,
+    default `tuning.DZ`, or a `tuning.DzWsConfig`: the same operands and result from `sm90_dz_ws`,
+    the kernel with a dedicated epilogue warpgroup).
     """
     chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
@@ -277,11 +284,13 @@ def _launch(
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
+    cfg: "tuning.DzConfig | tuning.DzWsConfig | None" = None,
 ):
     if (c3 is None) != (h is None):
         raise ValueError("the entropy term needs both c3 and h")
+    cfg = tuning.DZ if cfg is None else cfg
     n_pad, d = hidden_p.shape
-    work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
+    work = (n_pad // cfg.rows_per_cta) * (chunk // cfg.block_n)
     if num_ctas is None:
         num_ctas = 2 if interpret else tuning.default_num_sms()
     num_ctas = max(1, min(int(num_ctas), work))
@@ -300,4 +309,5 @@ def _launch(
         has_entropy=c3 is not None,
         weight_layout=weight_layout,
         in_place=in_place,
+        cfg=cfg,
     )
