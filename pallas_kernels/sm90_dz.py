@@ -226,12 +226,8 @@ def build(
         "cfg",
     ),
 )
-def _dz_core(*args, cfg, **static):
-    if isinstance(cfg, tuning.DzWsConfig):  # the dedicated-epilogue variant (same operands and result)
-        from pallas_kernels import sm90_dz_ws
-
-        return sm90_dz_ws.build(cfg=cfg, **static)(*args)
-    return build(cfg=cfg, **static)(*args)
+def _dz_core(*args, **static):
+    return build(**static)(*args)
 
 
 def chunk_supported(chunk: int) -> bool:
@@ -251,8 +247,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **opt
     gradient. options (keywords, all optional): c3, h: [n_pad] f32, both or neither: the
     entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
     weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas, cfg (a `tuning.DzConfig`,
-    default `tuning.DZ`, or a `tuning.DzWsConfig`: the same operands and result from `sm90_dz_ws`,
-    the kernel with a dedicated epilogue warpgroup).
+    default `tuning.DZ`: launch geometry, bit-neutral).
     """
     chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
@@ -284,7 +279,7 @@ def _launch(
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
-    cfg: "tuning.DzConfig | tuning.DzWsConfig | None" = None,
+    cfg: tuning.DzConfig | None = None,
 ):
     if (c3 is None) != (h is None):
         raise ValueError("the entropy term needs both c3 and h")

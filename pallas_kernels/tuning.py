@@ -234,59 +234,6 @@ class DzConfig:
         return self.block_m * self.num_compute_wgs
 
 
-@dataclasses.dataclass(frozen=True)
-class DzWsConfig:
-    """The backward's dz kernel with a dedicated epilogue warpgroup (`sm90_dz_ws`): the wgmma
-    warpgroups hand each finished [block_m, 64 * tiles_per_group] accumulator to the epilogue
-    warpgroup through shared memory and go on with the next work item, so the dz arithmetic
-    and its stores run under the next item's wgmmas (as in `sm90_forward_ws`). Work items are
-    (column block of 64 * tiles_per_group, row block of block_m * num_compute_wgs) pairs in
-    `col_group` order. Deterministic like `sm90_dz` (one fixed instruction sequence per
-    element); the wgmma N is 64 * tiles_per_group (`sm90_dz`'s is block_n)."""
-
-    block_m: int = 64  # rows per wgmma warpgroup
-    num_compute_wgs: int = 2  # wgmma warpgroups per CTA (one epilogue warpgroup serves them all)
-    tiles_per_group: int = 2  # columns per work item / 64 (wgmma N = 64 * this); chunks a multiple of it
-    max_concurrent_steps: int = 4  # pipeline depth (lowered to what fits next to the hand-off buffers)
-    col_group: int = 4  # work order: column blocks in groups of this, row blocks fastest inside
-    auto_barriers: bool = True  # Pallas's automatic warpgroup barriers around shared-memory accesses
-    mma_registers: int = 0  # wgmma warpgroups' registers per thread (0: 128); `sm90_forward_ws.register_split`
-    epilogue_wgs = 1  # (not a field: one epilogue warpgroup)
-
-    def __post_init__(self):
-        _require(self.block_m == 64, self, f"block_m must be 64, got {self.block_m}")
-        _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
-        _require(
-            self.tiles_per_group in (1, 2, 3, 4),
-            self,
-            f"tiles_per_group must be 1..{MAX_TILES_PER_GROUP}, got {self.tiles_per_group}",
-        )
-        _require_int(self, "max_concurrent_steps", 2)
-        _require_int(self, "col_group", 0)
-        _require(isinstance(self.auto_barriers, bool), self, f"auto_barriers must be a bool, got {self.auto_barriers}")
-        _require(
-            self.mma_registers == 0
-            or (
-                _is_int(self.mma_registers)
-                and self.mma_registers % 8 == 0
-                and MIN_REGISTERS <= self.mma_registers <= MAX_REGISTERS
-            ),
-            self,
-            f"mma_registers must be 0 or a multiple of 8 in [{MIN_REGISTERS}, {MAX_REGISTERS}], "
-            f"got {self.mma_registers}",
-        )
-
-    @property
-    def rows_per_cta(self) -> int:
-        """Callers pad rows to a multiple of this."""
-        return self.block_m * self.num_compute_wgs
-
-    @property
-    def block_n(self) -> int:
-        """Columns per work item; chunks must be a multiple of it."""
-        return 64 * self.tiles_per_group
-
-
 def logits_width(cfg: ForwardConfig, want_cols: int, v_rows: int, return_logits: bool) -> int:
     """The logits width the kernel writes for `want_cols` wanted columns of a weight with `v_rows`
     vocab entries: `want_cols` itself when the serving entry asks for logits and it is a multiple
@@ -521,7 +468,6 @@ __all__ = [
     "WsForwardConfig",
     "FoldConfig",
     "DzConfig",
-    "DzWsConfig",
     "BUCKETS",
     "BUCKET_TABLE",
     "FOLD",

@@ -235,8 +235,9 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
     """The chunk walk without copies (dz and dh reading the weight at the chunk's offset, dW
     written at it: sm90_dz.dz_in_place + sm90_grad_gemm) gives the slice walk's gradients on
     the same dz kernel: db bitwise (the same dz, the same column sums), dh and dW within
-    the rounding of another FP32 summation order; both layouts, a last chunk whose new
-    columns the dW kernel tiles (256) and one it does not (320: XLA forms those rows); two
+    the rounding of another FP32 summation order; both layouts, a last chunk the kernels
+    tile (256: walked as a chunk of its own) and one they do not (320: a clamped chunk,
+    XLA forms its new dW rows); two
     runs give identical bytes; the in-place kernels ran and no padding row has a gradient."""
     rng = np.random.default_rng(5)
     n, d, vocab, chunk = 12, 256, v_rows - 40, 512
@@ -257,9 +258,12 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
         got = grad.backward(*args, dz=in_place, **kw)
         traced = list(calls)
         again = grad.backward(*args, dz=in_place, **kw)
-    # traced once in the scan's body, once for the last chunk unless its 320 new columns go to XLA
+    # traced once in the scan's body, once for the last chunk: its 256 columns walked as a chunk
+    # of their own (the kernels tile them), while 320 take a clamped chunk whose new columns'
+    # dW rows XLA forms
     tail = v_rows % chunk
-    assert [c["col0"] for c in traced] == [0] + ([chunk - tail] if tail % 256 == 0 else []), traced
+    want_calls = [(0, chunk)] + ([(0, tail)] if tail % 256 == 0 else [])
+    assert [(c["col0"], c["cols"]) for c in traced] == want_calls, traced
     for name, g_, e, bound in zip(("hidden", "weight", "bias"), got, want, (1e-3, 1e-2, 0)):
         assert g_.shape == e.shape and g_.dtype == e.dtype, name
         assert np.isfinite(np.asarray(g_, np.float32)).all(), name
@@ -271,6 +275,33 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
     assert np.abs(dw.T[vocab:] if layout == "dv" else dw[vocab:]).max() == 0
     for g_, g2 in zip(got, again):
         assert_bitwise_equal(np.asarray(g_, np.float32), np.asarray(g2, np.float32))
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_exact_last_chunk_gives_the_clamped_chunks_bytes(layout):
+    """A last chunk the kernels tile is walked as itself (r columns at q * chunk) instead of a
+    chunk clamped to end at the last row whose first chunk - r columns get dz = 0: the same dh,
+    dW and db bytes (the clamped chunk only adds zero products), with fewer columns recomputed."""
+    rng = np.random.default_rng(8)
+    n, d, v_rows, vocab, chunk = 12, 256, 1280, 1240, 512
+    h, w, b, t, inv_t, lse, g_logp, g_lse, _, _ = _walk_case(rng, n, d, v_rows, vocab)
+    walk = _interpret_walk()
+    n_pad = 128
+    hp = jnp.pad(h, ((0, n_pad - n), (0, 0)))
+    padr = lambda x, v=0: jnp.pad(x, (0, n_pad - n), constant_values=v)  # noqa: E731
+    g_logp = jnp.where((t >= 0) & (t < vocab), g_logp, 0.0)
+    rows = (padr(inv_t, 1.0), padr(lse, jnp.inf), padr(inv_t * (g_lse - g_logp)), padr(inv_t * g_logp))
+    wl = w.T if layout == "dv" else w
+    calls = []
+    counted = dataclasses.replace(walk, dz=lambda *a, **k: calls.append(k["chunk"]) or walk.dz(*a, **k))
+    args = (hp, wl, b, padr(t, -1), rows, {}, vocab, chunk, layout, (hp, wl))
+    with row_invariant_wgmma():
+        exact = grad._in_place_walk(counted, *args, exact_tail=True)
+        clamped = grad._in_place_walk(counted, *args, exact_tail=False)
+    assert calls == [chunk, 1280 % chunk, chunk, chunk], calls
+    for e, c in zip(exact, clamped):
+        assert_bitwise_equal(np.asarray(e, np.float32), np.asarray(c, np.float32))
+    assert np.abs(np.asarray(exact[0], np.float32)[:n]).max() > 0
 
 
 def test_dz_in_place_equals_dz_chunk():

@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, dzws11; pass1_8 ran at 14e5aad).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10; pass1_8 ran at 14e5aad, dzws11 at 5b423b5).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -630,77 +630,6 @@ def main(argv):
         for name, dzk, chunk in variants[:2]:
             f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
-
-    if "dzws11" in groups:
-        # The dz kernel with a dedicated epilogue warpgroup (eleventh session, issue 18's lead
-        # "overlap the dz kernel's epilogue under its wgmmas as the forward does": sm90_dz_ws,
-        # a tuning.DzWsConfig) against the shipped sm90_dz in the in-place walk: the backward
-        # alone at M = 4096 and 16384 (rows whose dh / dW bytes differ from the shipped walk's),
-        # and one chunk's dz kernel alone at M = 4096 (rows whose dz bytes differ).
-        from detlogp_jax import backends
-        from pallas_kernels import sm90_dz
-
-        entry = backends.get("pallas_sm90").dz
-
-        def with_dz(cfg):
-            fn = functools.partial(sm90_dz.dz_in_place, cfg=cfg)
-            return dataclasses.replace(entry, in_place=dataclasses.replace(entry.in_place, dz=fn))
-
-        ws_variants = [
-            ("ws w2", tuning.DzWsConfig(), grad.IN_PLACE_CHUNK),
-            ("ws w2 no auto barriers", tuning.DzWsConfig(auto_barriers=False), grad.IN_PLACE_CHUNK),
-            ("ws w3 chunk 12288", tuning.DzWsConfig(tiles_per_group=3, max_concurrent_steps=3), 12288),
-            ("ws w1", tuning.DzWsConfig(tiles_per_group=1, max_concurrent_steps=6), grad.IN_PLACE_CHUNK),
-        ]
-        m = 4096
-        arg_sets, lse, ones = bwd_setup(m)
-        h0, w0, t0 = arg_sets[0]
-        hp = h0
-        bnd = jnp.asarray([0, 0, 8192], jnp.int32)
-        dz_outs = {}
-        for name, cfg in [("sm90_dz", None)] + [(n, c) for n, c, ch in ws_variants if ch == 8192]:
-            f = jax.jit(
-                lambda h, w, t, cfg=cfg: sm90_dz.dz_in_place(
-                    h, w, None, t, ones, lse, ones, ones, bnd, chunk=8192, cfg=cfg
-                )
-            )
-            p.generic("dzws11", f"dz kernel alone, one chunk of 8192: {name}", m, f, arg_sets, calls=10)
-            try:
-                dz_outs[name] = np.asarray(f(hp, w0, t0), np.float32)
-            except Exception as e:
-                print(f"dzws11 {name}: {type(e).__name__}: {e}"[:400])
-        for name, got in dz_outs.items():
-            if name != "sm90_dz" and "sm90_dz" in dz_outs:
-                b = dz_outs["sm90_dz"]
-                rows = int(np.any(got.view(np.uint32) != b.view(np.uint32), axis=1).sum())
-                print(f"dzws11 dz {name} vs sm90_dz: rows differing {rows}, max_abs_diff {np.abs(got - b).max():.3e}")
-
-        def bwd(dzk, chunk, lse, ones):
-            return jax.jit(
-                lambda h, w, t: grad.backward(
-                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=dzk, chunk=chunk
-                )
-            )
-
-        for m in (4096, 16384):
-            arg_sets, lse, ones = bwd_setup(m)
-            outs = {}
-            for name, dzk, chunk in [("shipped", entry, grad.IN_PLACE_CHUNK)] + [
-                (n, with_dz(c), ch) for n, c, ch in ws_variants
-            ]:
-                f = bwd(dzk, chunk, lse, ones)
-                p.generic("dzws11", f"backward {name}", m, f, arg_sets, calls=2)
-                try:
-                    outs[name] = [np.asarray(x, np.float32) for x in f(*arg_sets[0])[:2]]
-                except Exception as e:
-                    print(f"dzws11 {name} at M={m}: {type(e).__name__}: {e}"[:400])
-            base = outs.get("shipped")
-            for name, got in outs.items():
-                if base is None or name == "shipped":
-                    continue
-                for what, a, b in zip(("dh", "dW"), got, base):
-                    rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
-                    print(f"dzws11 M={m} {what}: {name} vs shipped: rows differing {rows}")
 
     if "backward" in groups:
         m = 4096
