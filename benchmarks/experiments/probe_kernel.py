@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10; pass1_8 ran at 14e5aad, dzws11 at 5b423b5).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, tail11; pass1_8 ran at 14e5aad, dzws11 at 5b423b5).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -630,6 +630,38 @@ def main(argv):
         for name, dzk, chunk in variants[:2]:
             f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
+
+    if "tail11" in groups:
+        # The in-place walk's last chunk (eleventh session): walked as its own 4608 columns (shipped)
+        # vs the clamped 8192-column chunk ending at the last row (before): the backward alone
+        # at M = 4096 and 16384 and rows whose dh / dW bytes differ.
+        shipped_walk = grad._in_place_walk
+
+        def clamped_walk(*a, **k):  # the walk as before: the last chunk clamped
+            return shipped_walk(*a, **{**k, "exact_tail": False})
+
+        def backward_alone(lse, ones):
+            return jax.jit(
+                lambda h, w, t: grad.backward(
+                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL
+                )
+            )
+
+        for m in (4096, 16384):
+            arg_sets, lse, ones = bwd_setup(m)
+            outs = {}
+            for name, fn in (("exact tail", shipped_walk), ("clamped tail", clamped_walk)):
+                grad._in_place_walk = fn  # read when the backward is traced (below)
+                try:
+                    f = backward_alone(lse, ones)
+                    p.generic("tail11", f"backward {name}", m, f, arg_sets, calls=2)
+                    outs[name] = [np.asarray(x, np.float32) for x in f(*arg_sets[0])[:2]]
+                finally:
+                    grad._in_place_walk = shipped_walk
+            if len(outs) == 2:
+                for what, a, b in zip(("dh", "dW"), outs["exact tail"], outs["clamped tail"]):
+                    rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
+                    print(f"tail11 M={m} {what}: exact vs clamped tail: rows differing {rows}")
 
     if "backward" in groups:
         m = 4096
