@@ -640,10 +640,15 @@ def main(argv):
         def clamped_walk(*a, **k):  # the walk as before: the last chunk clamped
             return shipped_walk(*a, **{**k, "exact_tail": False})
 
+        from detlogp_jax import backends
+
+        entry = backends.get("pallas_sm90").dz  # (without it grad.backward walks with XLA's dz: the
+        # first run of this group, h200_2026-12-02/call6, timed that by mistake)
+
         def backward_alone(lse, ones):
             return jax.jit(
                 lambda h, w, t: grad.backward(
-                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL
+                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=entry
                 )
             )
 
