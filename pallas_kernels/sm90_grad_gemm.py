@@ -120,6 +120,13 @@ def _build(
     stages = min(cfg.max_concurrent_steps, k_iters)
     tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     out_bytes = jnp.dtype(out_dtype).itemsize
+    boxes = (wm // EPI) * (wn // EPI)  # output boxes of one warpgroup's tile
+    slots = min(cfg.out_slots, boxes)
+    smem = stages * (tm + tn) * TILE_K * 2 + 2 * slots * EPI * EPI * out_bytes
+    if smem > tuning.SMEM_LIMIT:
+        raise ValueError(
+            f"sm90_grad_gemm: {stages} stages and {slots} output slots need {smem} B of shared memory ({cfg})"
+        )
     out_tr = (plgpu.TilingTransform((8, SWIZZLE // out_bytes)), plgpu.SwizzleTransform(SWIZZLE))
     a_spec = (
         plgpu.BlockSpec((TILE_K, tm), lambda kk: (kk, 0), transforms=tr, collective_axes=share["a"])
@@ -166,7 +173,7 @@ def _build(
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_window(0), b_window(0)),
-            out_smem=plgpu.SMEM((2, 2, EPI, EPI), out_dtype, transforms=out_tr),
+            out_smem=plgpu.SMEM((2, slots, EPI, EPI), out_dtype, transforms=out_tr),
             collective_axes="wg",
         )
         def _scope(pipeline_allocs, out_smem):
@@ -198,15 +205,16 @@ def _build(
                         acc = acc.astype(out_dtype)
                         for i in range(wm // EPI):
                             for j in range(wn // EPI):
-                                slot = (i * (wn // EPI) + j) % 2
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                slot = (i * (wn // EPI) + j) % slots
+                                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # its last store read it
                                 out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(
                                     out_smem.at[wg, slot],
                                     out_gmem.at[o_rows, o_cols].at[pl.ds(i * EPI, EPI), pl.ds(j * EPI, EPI)],
                                 )
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        if slots < boxes:  # else the tile's stores drain under the next tile's K walk
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
                     if split_m:  # this warpgroup's rows of A, all of B

@@ -286,9 +286,15 @@ class GradGemmConfig:
     # an output that does not tile by the cluster's two tiles runs without it
     # (`sm90_grad_gemm._config`: the same bytes).
     cluster: str | None = None
+    # Staging boxes ([64, 64] of the output) per consumer warpgroup for the epilogue's TMA stores:
+    # 2 (shipped) alternate, and the tile's stores are waited out before the next tile; a whole
+    # tile's worth (4 at [64, 256] per warpgroup) lets them drain under the next tile's K walk
+    # (fits next to 3 stages with a bf16 output; not timed yet: probe group walk10).
+    out_slots: int = 2
 
     def __post_init__(self):
         _require(self.wg_split in ("m", "n"), self, f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
+        _require_int(self, "out_slots", 2)
         _require(self.cluster in (None, "m", "n"), self, f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
         wm, wn = self.wg_tile
         _require(

@@ -510,3 +510,37 @@ def test_shipped_gradient_gemms_drop_their_cluster_only_where_it_cannot_run():
     dz, w = S((128, 512), jnp.bfloat16), S((2048, 512), jnp.bfloat16)
     fh = lambda dh, dz, w, s: gg.dh_accumulate(dh, dz, w, s)  # noqa: E731
     jax.jit(fh).trace(S((128, 512), jnp.float32), dz, w, S((), jnp.int32)).lower(lowering_platforms=("cuda",))
+
+
+def test_dw_gemm_with_a_whole_tile_of_staging_boxes():
+    """GradGemmConfig.out_slots (the epilogue's TMA staging boxes per warpgroup): a whole tile's
+    worth (4) with 3 stages gives the shipped dw_write's bytes (interpret mode: the indexing; the
+    H200 times it, probe group walk10) and lowers for CUDA; a config whose stages and boxes
+    exceed shared memory is refused when built."""
+    import jax
+
+    from pallas_kernels import sm90_grad_gemm as gg
+    from pallas_kernels import tuning
+
+    rng = np.random.default_rng(11)
+    n_pad, d, chunk, v = 128, 256, 512, 1024
+    dz = jnp.asarray(rng.standard_normal((n_pad, chunk)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((n_pad, d)), jnp.bfloat16)
+    drain = dataclasses.replace(tuning.DW_GEMM, cluster=None, out_slots=4, max_concurrent_steps=3)
+    for layout in ("vd", "dv"):
+        dw0 = jnp.zeros((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+        kw = dict(weight_layout=layout, interpret=True)
+        want = gg.dw_write(dw0, dz, h, 256, **kw)
+        got = gg.dw_write(dw0, dz, h, 256, cfg=drain, **kw)
+        assert_bitwise_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        assert np.abs(np.asarray(got, np.float32)).max() > 0
+    S = jax.ShapeDtypeStruct
+    cuda = dataclasses.replace(drain, cluster="m")
+    fw = lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s, cfg=cuda)  # noqa: E731
+    args = (S((v, d), jnp.bfloat16), S((256, chunk), jnp.bfloat16), S((256, d), jnp.bfloat16), S((), jnp.int32))
+    jax.jit(fw).trace(*args).lower(lowering_platforms=("cuda",))
+    too_big = dataclasses.replace(cuda, max_concurrent_steps=4)
+    with pytest.raises(ValueError, match="shared memory"):
+        jax.jit(lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s, cfg=too_big)).trace(*args)
+    with pytest.raises(ValueError, match="out_slots"):
+        tuning.GradGemmConfig(out_slots=1)

@@ -569,18 +569,31 @@ def main(argv):
         # col_group 16: none faster than the shipped configs; the third the chunk (8192 shipped).
         # The fourth (h200_2026-12-02/call1_probe_walk10.log) timed the 2-CTA clusters, off then:
         # "m" 23.90 / 96.22 ms vs none 24.29 / 96.89, "n" 24.34 / 96.78, 0 rows differing; "m" is
-        # shipped since. Now: the shipped walk (cluster "m") against no cluster and the "n" pair.
+        # shipped since. Now: the shipped walk (cluster "m", exact last chunk) against no cluster,
+        # the "n" pair, dW's stores draining under the next tile, and chunks of 12288 / 16384.
         from pallas_kernels import sm90_grad_gemm
 
-        def with_cluster(cl):
+        def with_gemms(dh_cfg=tuning.DH_GEMM, dw_cfg=tuning.DW_GEMM):
             w = entry.in_place
-            dh = functools.partial(sm90_grad_gemm.dh_accumulate, cfg=dataclasses.replace(tuning.DH_GEMM, cluster=cl))
-            dw = functools.partial(sm90_grad_gemm.dw_write, cfg=dataclasses.replace(tuning.DW_GEMM, cluster=cl))
+            dh = functools.partial(sm90_grad_gemm.dh_accumulate, cfg=dh_cfg)
+            dw = functools.partial(sm90_grad_gemm.dw_write, cfg=dw_cfg)
             return dataclasses.replace(entry, in_place=dataclasses.replace(w, dh=dh, dw=dw))
+
+        def with_cluster(cl):
+            return with_gemms(
+                dataclasses.replace(tuning.DH_GEMM, cluster=cl), dataclasses.replace(tuning.DW_GEMM, cluster=cl)
+            )
 
         shipped = grad.IN_PLACE_CHUNK
         variants = [("in_place", entry, shipped), ("slices", slices, grad.DEFAULT_CHUNK)]
         variants += [(f"in_place cluster {cl}", with_cluster(cl), shipped) for cl in (None, "n")]
+        # dW's stores draining under the next tile's K walk (a whole tile's staging boxes, 3 stages)
+        dw_drain = dataclasses.replace(tuning.DW_GEMM, out_slots=4, max_concurrent_steps=3)
+        variants += [("in_place dW out_slots 4", with_gemms(dw_cfg=dw_drain), shipped)]
+        # Longer chunks now that the last chunk is exact (the tenth session's 16384 lost to a clamped
+        # last chunk recomputing 11776 columns): dh's tiles walk K = chunk, so fewer old-tile loads
+        # and stores per FLOP; the dz buffer grows (temp_MB).
+        variants += [(f"in_place chunk {c}", entry, c) for c in (12288, 16384)]
 
         def backward_fn(dzk, chunk, lse, ones, layout="vd"):
             return jax.jit(
