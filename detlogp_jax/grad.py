@@ -99,7 +99,8 @@ DEFAULT_CHUNK = 4096
 # chunk and dh): 8192. The backward alone on the Qwen3-8B head (H200,
 # h200_2026-12-01f/call3_probe_walk10.log): M=4096 24.17 ms / 128.1 MiB temp (chunk 4096: 24.86 /
 # 96.0; the slice walk at 4096: 25.81 / 224.0), M=16384 95.95 / 512.3 (4096: 99.01 / 384.2; the
-# slice walk: 96.81 / 608.0); 16384 is slower at both.
+# slice walk: 96.81 / 608.0); 16384 is slower at both (measured while the last chunk was clamped:
+# at 16384 it recomputed 11776 columns; the exact last chunk is to be timed, probe group walk10).
 IN_PLACE_CHUNK = 8192
 
 
