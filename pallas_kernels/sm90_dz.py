@@ -223,7 +223,6 @@ def build(
         "has_entropy",
         "weight_layout",
         "in_place",
-        "cfg",
     ),
 )
 def _dz_core(*args, **static):
@@ -246,8 +245,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **opt
     lo, hi: traced int32 column bounds (relative) of the columns that get a
     gradient. options (keywords, all optional): c3, h: [n_pad] f32, both or neither: the
     entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
-    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas, cfg (a `tuning.DzConfig`,
-    default `tuning.DZ`: launch geometry, bit-neutral).
+    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas.
     """
     chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
@@ -279,13 +277,11 @@ def _launch(
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
-    cfg: tuning.DzConfig | None = None,
 ):
     if (c3 is None) != (h is None):
         raise ValueError("the entropy term needs both c3 and h")
-    cfg = tuning.DZ if cfg is None else cfg
     n_pad, d = hidden_p.shape
-    work = (n_pad // cfg.rows_per_cta) * (chunk // cfg.block_n)
+    work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
     if num_ctas is None:
         num_ctas = 2 if interpret else tuning.default_num_sms()
     num_ctas = max(1, min(int(num_ctas), work))
@@ -304,5 +300,4 @@ def _launch(
         has_entropy=c3 is not None,
         weight_layout=weight_layout,
         in_place=in_place,
-        cfg=cfg,
     )

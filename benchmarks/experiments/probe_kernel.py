@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, tail11; pass1_8 ran at 14e5aad, dzws11 at 5b423b5).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -570,7 +570,8 @@ def main(argv):
         # The fourth (h200_2026-12-02/call1_probe_walk10.log) timed the 2-CTA clusters, off then:
         # "m" 23.90 / 96.22 ms vs none 24.29 / 96.89, "n" 24.34 / 96.78, 0 rows differing; "m" is
         # shipped since. Now: the shipped walk (cluster "m", exact last chunk) against no cluster,
-        # the "n" pair, dW's stores draining under the next tile, and chunks of 12288 / 16384.
+        # the "n" pair, dW's stores draining under the next tile, chunks of 12288 / 16384, and the
+        # last chunk clamped as before.
         from pallas_kernels import sm90_grad_gemm
 
         def with_gemms(dh_cfg=tuning.DH_GEMM, dw_cfg=tuning.DW_GEMM):
@@ -594,6 +595,15 @@ def main(argv):
         # last chunk recomputing 11776 columns): dh's tiles walk K = chunk, so fewer old-tile loads
         # and stores per FLOP; the dz buffer grows (temp_MB).
         variants += [(f"in_place chunk {c}", entry, c) for c in (12288, 16384)]
+        # The last chunk clamped as before the eleventh session (a walk whose kernels are declared
+        # for whole chunks only, so grad takes the clamped last chunk) vs the shipped exact one.
+        whole_only = dataclasses.replace(
+            entry.in_place,
+            supports=lambda n_pad, d, v_rows, c, layout: (
+                c == shipped and entry.in_place.supports(n_pad, d, v_rows, c, layout)
+            ),
+        )
+        variants += [("in_place clamped last chunk", dataclasses.replace(entry, in_place=whole_only), shipped)]
 
         def backward_fn(dzk, chunk, lse, ones, layout="vd"):
             return jax.jit(
@@ -643,43 +653,6 @@ def main(argv):
         for name, dzk, chunk in variants[:2]:
             f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
-
-    if "tail11" in groups:
-        # The in-place walk's last chunk (eleventh session): walked as its own 4608 columns (shipped)
-        # vs the clamped 8192-column chunk ending at the last row (before): the backward alone
-        # at M = 4096 and 16384 and rows whose dh / dW bytes differ.
-        shipped_walk = grad._in_place_walk
-
-        def clamped_walk(*a, **k):  # the walk as before: the last chunk clamped
-            return shipped_walk(*a, **{**k, "exact_tail": False})
-
-        from detlogp_jax import backends
-
-        entry = backends.get("pallas_sm90").dz  # (without it grad.backward walks with XLA's dz: the
-        # first run of this group, h200_2026-12-02/call6, timed that by mistake)
-
-        def backward_alone(lse, ones):
-            return jax.jit(
-                lambda h, w, t: grad.backward(
-                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=V_REAL, dz=entry
-                )
-            )
-
-        for m in (4096, 16384):
-            arg_sets, lse, ones = bwd_setup(m)
-            outs = {}
-            for name, fn in (("exact tail", shipped_walk), ("clamped tail", clamped_walk)):
-                grad._in_place_walk = fn  # read when the backward is traced (below)
-                try:
-                    f = backward_alone(lse, ones)
-                    p.generic("tail11", f"backward {name}", m, f, arg_sets, calls=2)
-                    outs[name] = [np.asarray(x, np.float32) for x in f(*arg_sets[0])[:2]]
-                finally:
-                    grad._in_place_walk = shipped_walk
-            if len(outs) == 2:
-                for what, a, b in zip(("dh", "dW"), outs["exact tail"], outs["clamped tail"]):
-                    rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
-                    print(f"tail11 M={m} {what}: exact vs clamped tail: rows differing {rows}")
 
     if "backward" in groups:
         m = 4096

@@ -10,10 +10,10 @@
 #             [D, V] kernel (--weight_layout dv, recompute) at M = 4096
 #   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 64, 512, 4096, 16384
 #   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
-#   walk      benchmarks.experiments.probe_kernel --groups walk10,tail11: the backward alone with
-#             the shipped in-place chunk walk vs the slice walk and the gradient GEMMs' cluster
-#             variants (M = 4096, 16384; rows whose dh / dW bytes differ; [D, V] at 4096), and the
-#             walk's exact last chunk vs the clamped one
+#   walk      benchmarks.experiments.probe_kernel --groups walk10: the backward alone with the
+#             shipped in-place chunk walk vs the slice walk and variants (the gradient GEMMs'
+#             clusters and staging boxes, the chunk, the last chunk clamped; M = 4096, 16384; rows
+#             whose dh / dW bytes differ; [D, V] at 4096)
 #   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 #             (does XLA fuse the chunk walk's slices into the GEMMs?)
 # Everything lands in $OUT/results.tgz. Run from the repo root on the device.
@@ -38,7 +38,7 @@ if [[ $STAGES == *,trace,* ]]; then
   TAILN=30 stage trace_fwd_bwd 60 python3 -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 4096 --mode fwd_bwd --backend pallas_sm90 --calls 5 --json "$OUT/trace_fwd_bwd_m4096.json"
 fi
 if [[ $STAGES == *,walk,* ]]; then
-  TAILN=30 stage walk10 320 python3 -m benchmarks.experiments.probe_kernel --groups walk10,tail11 --budget_s 280 --out "$OUT/probe_walk10.jsonl"
+  TAILN=30 stage walk10 320 python3 -m benchmarks.experiments.probe_kernel --groups walk10 --budget_s 280 --out "$OUT/probe_walk10.jsonl"
 fi
 if [[ $STAGES == *,dsf,* ]]; then
   TAILN=6 stage bench_dsf 80 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $RUN --m 4096 --backends pallas_sm90 --plot none --out "$OUT/fwd_bwd_dsf.json"
