@@ -24,7 +24,7 @@ operands its kernels tile) the dz kernel and the dh GEMM read the weight at the
 chunk's offset, the dW GEMM writes dW there and dh is accumulated in its own
 buffer: no weight-chunk copy, no dW-chunk copy, no dh add, and a row's dh is
 one fixed sum whatever batch the row is in (XLA's GEMMs choose algorithms by
-shape). The default chunk is 8192 on that walk and 4096 on the slice walk
+shape). The default chunk is 16384 on that walk and 4096 on the slice walk
 (`IN_PLACE_CHUNK`, `DEFAULT_CHUNK`: a function of the head, never of the row
 count). For bf16/f16
 weights the dW GEMM writes the weight dtype directly
@@ -96,12 +96,13 @@ from detlogp_jax import vma
 # h200_2026-12-01d/call3_fwd_bwd_recompute.json, h200_2026-12-01e/call1_probe_handoff8_chunk7.log).
 DEFAULT_CHUNK = 4096
 # A backend's in-place walk (`backends.InPlaceWalk`: no chunk copies, so its temp memory is the dz
-# chunk and dh): 8192. The backward alone on the Qwen3-8B head (H200,
-# h200_2026-12-01f/call3_probe_walk10.log): M=4096 24.17 ms / 128.1 MiB temp (chunk 4096: 24.86 /
-# 96.0; the slice walk at 4096: 25.81 / 224.0), M=16384 95.95 / 512.3 (4096: 99.01 / 384.2; the
-# slice walk: 96.81 / 608.0); 16384 is slower at both (measured while the last chunk was clamped:
-# at 16384 it recomputed 11776 columns; the exact last chunk is to be timed, probe group walk10).
-IN_PLACE_CHUNK = 8192
+# chunk and dh): 16384 since the twelfth session. The backward alone on the Qwen3-8B head with the
+# exact last chunk (H200, h200_2026-12-02b/call1_probe_walk10.log): M=4096 23.04 ms / 192.1 MiB temp
+# (8192: 23.47 / 128.1; 12288: 23.16 / 160.1), M=16384 91.63 / 768.3 (8192: 92.86 / 512.3; 12288:
+# 91.76 / 640.3); dh and dW 0 rows differing across the three (dh's tiles start from the old tile
+# and walk K in column order, so the chunk does not enter the sums). The fwd+bwd program's temp at
+# M=4096 stays within 1.1x of hidden + weight + their gradients (README "Training step").
+IN_PLACE_CHUNK = 16384
 
 
 def _chunking(v_rows: int, chunk: int) -> int:

@@ -386,7 +386,7 @@ def test_gradient_gemms_alias_their_output_to_operand_0():
 
 
 def test_default_chunk_follows_the_walk_not_the_rows():
-    """chunk=None: 8192 (`grad.IN_PLACE_CHUNK`) where the fused path walks with the in-place
+    """chunk=None: 16384 (`grad.IN_PLACE_CHUNK`) where the fused path walks with the in-place
     kernels, 4096 (`grad.DEFAULT_CHUNK`) on the slice walk, at any row count (traced with
     stand-in kernels that record what they were given)."""
     import jax
@@ -404,7 +404,7 @@ def test_default_chunk_follows_the_walk_not_the_rows():
 
     walk = dataclasses.replace(entry.in_place, dz=fake_dz, dh=lambda dh, *a, **k: dh, dw=lambda dw, *a, **k: dw)
     S = jax.ShapeDtypeStruct
-    for d, n, want in ((4096, 4096, ("in_place", 8192)), (4096, 7, ("in_place", 8192)), (192, 4096, ("slices", 4096))):
+    for d, n, want in ((4096, 4096, ("in_place", 16384)), (4096, 7, ("in_place", 16384)), (192, 4096, ("slices", 4096))):
         seen.clear()
         dzk = dataclasses.replace(entry, fn=fake_fn, in_place=walk)
         vec = S((n,), jnp.float32)

@@ -591,10 +591,10 @@ def main(argv):
         # dW's stores draining under the next tile's K walk (a whole tile's staging boxes, 3 stages)
         dw_drain = dataclasses.replace(tuning.DW_GEMM, out_slots=4, max_concurrent_steps=3)
         variants += [("in_place dW out_slots 4", with_gemms(dw_cfg=dw_drain), shipped)]
-        # Longer chunks now that the last chunk is exact (the tenth session's 16384 lost to a clamped
-        # last chunk recomputing 11776 columns): dh's tiles walk K = chunk, so fewer old-tile loads
-        # and stores per FLOP; the dz buffer grows (temp_MB).
-        variants += [(f"in_place chunk {c}", entry, c) for c in (12288, 16384)]
+        # The chunk (16384 shipped since the twelfth session, once the last chunk was exact; the
+        # tenth session's 16384 lost to a clamped last chunk recomputing 11776 columns): dh's tiles
+        # walk K = chunk, so fewer old-tile loads and stores per FLOP; the dz buffer grows (temp_MB).
+        variants += [(f"in_place chunk {c}", entry, c) for c in (8192, 12288) if c != shipped]
         # The last chunk clamped as before the eleventh session (a walk whose kernels are declared
         # for whole chunks only, so grad takes the clamped last chunk) vs the shipped exact one.
         whole_only = dataclasses.replace(
