@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The training step on the H200 (nvidia-h200; issue 18): gradient tests, then forward + backward
 # timings next to the XLA lane and the GEMM alone, in the same run. Stages (TRAIN_STAGES,
-# comma-separated; default all, in this order), one device call of <= ~8 minutes:
-#   grad      tests/gpu/test_grad_gpu.py + tests/gpu/test_residuals_gpu.py (float64 comparison, both
-#             residual modes, both layouts, run-to-run identical bytes)
-#   bench     benchmarks.run --mode fwd_bwd at M = 4096, 16384: pallas_sm90 (recompute), xla, gemm,
-#             gemm_remat (the GEMM alone with its logits recomputed: the recompute mode's four passes);
-#             then pallas_sm90 with --residuals logits (peak_MB / temp_MB in the JSON), and the
-#             [D, V] kernel (--weight_layout dv, recompute) at M = 4096
+# comma-separated, run in this order; default bench,trace). One device call holds at most
+# ~560 s of stage limits: e.g. `grad,resid` (480 s), `bench,trace` (480 s), `fwd,walk` (440 s).
+#   grad      tests/gpu/test_grad_gpu.py (float64 comparison, both layouts, run-to-run identical
+#             bytes; ~160 s)
+#   resid     tests/gpu/test_residuals_gpu.py (both residual modes, both layouts; ~210 s)
+#   bench     benchmarks.run --mode fwd_bwd at M = 4096, 16384 (the issue's timing: 3 warmup calls,
+#             7 samples of 10 back-to-back calls): pallas_sm90 (recompute), xla, gemm, gemm_remat
+#             (the GEMM alone with its logits recomputed: the recompute mode's four passes); then
+#             pallas_sm90 with --residuals logits (temp_MB per case in the JSON; peak_MB is the
+#             process's high-water mark), and the [D, V] kernel (--weight_layout dv, recompute) at
+#             M = 4096
 #   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 64, 512, 4096, 16384
 #   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
 #   walk      benchmarks.experiments.probe_kernel --groups walk10: the backward alone with the
@@ -20,15 +24,18 @@
 set -u
 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
-STAGES=",${TRAIN_STAGES:-grad,bench,fwd,trace},"
+STAGES=",${TRAIN_STAGES:-bench,trace},"
 MS=${TRAIN_MS:-4096,16384}
-RUN="python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd_bwd --warmup 2 --iters 7 --calls_per_sample 2"
+RUN="python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd_bwd --warmup 3 --iters 7 --calls_per_sample 10"
 if [[ $STAGES == *,grad,* ]]; then
-  TAILN=10 stage grad_tests 220 python3 -m pytest -q -x -rw tests/gpu/test_grad_gpu.py tests/gpu/test_residuals_gpu.py
+  TAILN=10 stage grad_tests 220 python3 -m pytest -q -x -rw tests/gpu/test_grad_gpu.py
+fi
+if [[ $STAGES == *,resid,* ]]; then
+  TAILN=10 stage residual_tests 260 python3 -m pytest -q -x -rw tests/gpu/test_residuals_gpu.py
 fi
 if [[ $STAGES == *,bench,* ]]; then
-  TAILN=10 stage bench_recompute 190 $RUN --m "$MS" --backends pallas_sm90,xla,gemm,gemm_remat --plot none --out "$OUT/fwd_bwd_recompute.json"
-  TAILN=6 stage bench_logits 90 $RUN --m "$MS" --backends pallas_sm90 --residuals logits --plot none --out "$OUT/fwd_bwd_logits.json"
+  TAILN=10 stage bench_recompute 230 $RUN --m "$MS" --backends pallas_sm90,xla,gemm,gemm_remat --plot none --out "$OUT/fwd_bwd_recompute.json"
+  TAILN=6 stage bench_logits 100 $RUN --m "$MS" --backends pallas_sm90 --residuals logits --plot none --out "$OUT/fwd_bwd_logits.json"
   TAILN=6 stage bench_dv 90 $RUN --m 4096 --backends pallas_sm90 --weight_layout dv --plot none --out "$OUT/fwd_bwd_dv.json"
 fi
 if [[ $STAGES == *,fwd,* ]]; then
