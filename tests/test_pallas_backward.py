@@ -404,7 +404,11 @@ def test_default_chunk_follows_the_walk_not_the_rows():
 
     walk = dataclasses.replace(entry.in_place, dz=fake_dz, dh=lambda dh, *a, **k: dh, dw=lambda dw, *a, **k: dw)
     S = jax.ShapeDtypeStruct
-    for d, n, want in ((4096, 4096, ("in_place", 16384)), (4096, 7, ("in_place", 16384)), (192, 4096, ("slices", 4096))):
+    for d, n, want in (
+        (4096, 4096, ("in_place", 16384)),
+        (4096, 7, ("in_place", 16384)),
+        (192, 4096, ("slices", 4096)),
+    ):
         seen.clear()
         dzk = dataclasses.replace(entry, fn=fake_fn, in_place=walk)
         vec = S((n,), jnp.float32)
