@@ -79,8 +79,9 @@ class InPlaceWalk:
     grad.backward uses it instead of slicing the weight and running XLA's gradient GEMMs
     when `supports(n_pad, d, v_rows, chunk, weight_layout)` holds (n_pad: the padded rows):
     per chunk [start, start + chunk), with bounds = int32 [3] (start, lo, hi) (absolute
-    columns; start = i * chunk, and v_rows - chunk for a last partial chunk: `supports`
-    sees v_rows and chunk, so it decides which offsets the kernels must take),
+    columns; start = i * chunk, and for the last r = v_rows mod chunk columns one chunk of a
+    length L in [r, chunk] at v_rows - L, the shortest L for which `supports` holds: it sees
+    v_rows and the chunk length, so it decides which offsets the kernels must take),
       dz = dz(hidden_p, weight, bias, targets, inv_t, lse, c1, c2, bounds, chunk=, c3=, h=,
               weight_layout=)    -- `DzKernel.fn`'s dz, with the whole weight / bias and
                                     absolute targets

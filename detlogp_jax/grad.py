@@ -465,9 +465,7 @@ def _backward_fused_dz(
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
     v_axis = 0 if weight_layout == "vd" else 1
     if in_place:
-        tail = weight.shape[v_axis] % chunk
-        # A last chunk the kernels tile exactly is walked as itself (no recomputed columns).
-        exact_tail = bool(tail) and _in_place_ok(dz, hidden, weight, tail, weight_layout)
+        last_len = _last_chunk_len(dz, hidden, weight, chunk, weight_layout)
         dh, dw, db = _in_place_walk(
             dz.in_place,
             hp,
@@ -480,26 +478,49 @@ def _backward_fused_dz(
             chunk,
             weight_layout,
             operands,
-            exact_tail=exact_tail,
+            last_len=last_len,
         )
     else:
         dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, v_axis)
     return dh[:n].astype(hidden.dtype), dw, db
 
 
+def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: str) -> int:
+    """The length L of the in-place walk's last chunk, which covers [v_rows - L, v_rows) and
+    recomputes the L - r columns before the last r = v_rows mod chunk (their dz is 0): the
+    shortest L in [r, chunk] the walk's kernels take, trying r itself and then r rounded up to
+    a multiple of 2, 4, ..., else the whole chunk (0 when chunk divides v_rows). A function of
+    the head's shape and the backend only; bit-neutral (the recomputed columns add zero
+    products to dh and write no dW row). At the Qwen3-8B head r = 4608 is taken as it is; a
+    tensor-parallel shard of 38016 rows (TP=4) walks 2 x 16384 and 5376 (128 columns
+    recomputed) instead of a clamped 16384 (11136)."""
+    v_rows = weight.shape[0 if weight_layout == "vd" else 1]
+    tail = v_rows % chunk
+    if not tail:
+        return 0
+    for k in range(chunk.bit_length()):
+        length = -(-tail // (1 << k)) << k
+        if length >= chunk:
+            break
+        if _in_place_ok(dz, hidden, weight, length, weight_layout):
+            return length
+    return chunk
+
+
 def _in_place_walk(
-    walk, hp, weight, bias, targets, rows, ent_kw, vocab_size, chunk, weight_layout, operands, exact_tail=False
+    walk, hp, weight, bias, targets, rows, ent_kw, vocab_size, chunk, weight_layout, operands, last_len=None
 ):
     """`_chunk_walk` of the fused dz kernel with a backend's `backends.InPlaceWalk`: the same
     chunks in the same order (q full chunks in a scan, then the last r columns), but the dz
     kernel and the dh GEMM read the weight at the chunk's offset and the dW GEMM writes dW at
     it, and dh is accumulated in its own buffer (no weight-chunk copy, no dW-chunk copy, no dh
-    add). The last r columns: with `exact_tail` (the kernels tile r columns) one chunk of r
-    columns at q * chunk; else, as `_chunk_walk`, a chunk clamped to end at the last row whose
-    first chunk - r columns get no gradient (their dz is 0, so dh's sums are the same; the
-    clamped chunk recomputes those columns: 3584 of 8192 at the Qwen3-8B head, ~2% of the
-    backward's dz and dh work). db (with a bias) is the chunk's column sum of dz written at the
-    offset. Returns (dh [n_pad, D] f32, dW in the weight's layout and dtype, db or None)."""
+    add). The last r columns: one chunk of `last_len` = L columns (r <= L <= chunk; default
+    chunk: as `_chunk_walk`'s clamped last chunk) ending at the last row, whose first L - r
+    columns get no gradient (their dz is 0, so dh's sums are the same; L = r recomputes
+    nothing, L = chunk 3584 columns of 8192 at the Qwen3-8B head: `_last_chunk_len` picks the
+    shortest L the kernels take). The r new dW rows are written by the kernel where it tiles
+    r columns, else formed by XLA. db (with a bias) is the chunk's column sum of dz written at
+    the offset. Returns (dh [n_pad, D] f32, dW in the weight's layout and dtype, db or None)."""
     v_axis = 0 if weight_layout == "vd" else 1
     v_rows = weight.shape[v_axis]
     n_full, tail = divmod(v_rows, chunk)
@@ -534,12 +555,11 @@ def _in_place_walk(
         [[i * chunk, i * chunk, vocab_size] for i in range(n_full)], jnp.int32
     )  # (start, lo, hi) per chunk: a constant of the program
     carry, _ = lax.scan(lambda c, b: (step(c, b), None), init, table)
-    if tail and exact_tail:
-        first = n_full * chunk
-        carry = step(carry, jnp.asarray([first, first, vocab_size], jnp.int32), length=tail)
-    elif tail:
-        last = v_rows - chunk
-        bounds = jnp.asarray([last, n_full * chunk, vocab_size], jnp.int32)
-        carry = step(carry, bounds, col0=chunk - tail)
+    if tail:
+        length = chunk if last_len is None else int(last_len)
+        if not tail <= length <= chunk:
+            raise ValueError(f"the last chunk's length must be in [{tail}, {chunk}], got {length}")
+        bounds = jnp.asarray([v_rows - length, n_full * chunk, vocab_size], jnp.int32)
+        carry = step(carry, bounds, col0=length - tail, length=length)
     dh, dw, db = carry
     return dh, dw, (None if bias is None else db.astype(bias.dtype))

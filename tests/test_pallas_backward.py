@@ -228,8 +228,8 @@ def _walk_case(rng, n, d, v_rows, vocab):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,entropy,v_rows",
-    [("vd", False, 1280), ("dv", True, 1280), ("vd", True, 1344), ("dv", False, 1344)],
-    ids=["vd-tail256", "dv-entropy-tail256", "vd-entropy-tail320", "dv-tail320"],
+    [("vd", False, 1280), ("dv", True, 1280), ("vd", True, 1344), ("dv", False, 1344), ("vd", True, 1600)],
+    ids=["vd-tail256", "dv-entropy-tail256", "vd-entropy-tail320", "dv-tail320", "vd-entropy-tail64"],
 )
 def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
     """The chunk walk without copies (dz and dh reading the weight at the chunk's offset, dW
@@ -277,13 +277,21 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
         assert_bitwise_equal(np.asarray(g_, np.float32), np.asarray(g2, np.float32))
 
 
-@pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_exact_last_chunk_gives_the_clamped_chunks_bytes(layout):
-    """A last chunk the kernels tile is walked as itself (r columns at q * chunk) instead of a
-    chunk clamped to end at the last row whose first chunk - r columns get dz = 0: the same dh,
-    dW and db bytes (the clamped chunk only adds zero products), with fewer columns recomputed."""
+@pytest.mark.parametrize(
+    "layout,v_rows,lengths",
+    [("vd", 1280, (256, 512)), ("dv", 1280, (256, 512)), ("vd", 1600, (256, 512)), ("dv", 1600, (256, 512))],
+    ids=["vd-tail256", "dv-tail256", "vd-tail64", "dv-tail64"],
+)
+def test_last_chunk_length_gives_the_clamped_chunks_bytes(layout, v_rows, lengths):
+    """The last r = v_rows mod chunk columns walked as a chunk of L columns ending at the last
+    row (L = r: the chunk itself; r < L < chunk: r rounded up to what the kernels tile) give
+    the bytes of the chunk clamped to a whole chunk (L = chunk): the same dh, dW and db (the
+    L - r recomputed columns have dz = 0, so they add zero products to dh and write no dW
+    row; the r new dW rows come from the kernel where it tiles them, else from XLA in both),
+    with fewer columns recomputed; and grad picks the shortest L the kernels take."""
     rng = np.random.default_rng(8)
-    n, d, v_rows, vocab, chunk = 12, 256, 1280, 1240, 512
+    n, d, chunk = 12, 256, 512
+    vocab = v_rows - 40
     h, w, b, t, inv_t, lse, g_logp, g_lse, _, _ = _walk_case(rng, n, d, v_rows, vocab)
     walk = _interpret_walk()
     n_pad = 128
@@ -296,12 +304,17 @@ def test_exact_last_chunk_gives_the_clamped_chunks_bytes(layout):
     counted = dataclasses.replace(walk, dz=lambda *a, **k: calls.append(k["chunk"]) or walk.dz(*a, **k))
     args = (hp, wl, b, padr(t, -1), rows, {}, vocab, chunk, layout, (hp, wl))
     with row_invariant_wgmma():
-        exact = grad._in_place_walk(counted, *args, exact_tail=True)
-        clamped = grad._in_place_walk(counted, *args, exact_tail=False)
-    assert calls == [chunk, 1280 % chunk, chunk, chunk], calls
-    for e, c in zip(exact, clamped):
-        assert_bitwise_equal(np.asarray(e, np.float32), np.asarray(c, np.float32))
-    assert np.abs(np.asarray(exact[0], np.float32)[:n]).max() > 0
+        outs = [grad._in_place_walk(counted, *args, last_len=length) for length in lengths]
+    assert calls == [x for length in lengths for x in (chunk, length)], calls
+    for got in outs[:-1]:
+        for e, c in zip(got, outs[-1]):
+            assert_bitwise_equal(np.asarray(e, np.float32), np.asarray(c, np.float32))
+    assert np.abs(np.asarray(outs[0][0], np.float32)[:n]).max() > 0
+    # grad's choice: r itself where the kernels tile it (256), else r rounded up (64 -> 256)
+    dzk = dataclasses.replace(backends.get("pallas_sm90").dz, in_place=walk)
+    assert grad._last_chunk_len(dzk, hp, wl, chunk, layout) == 256
+    with pytest.raises(ValueError, match="last chunk's length"):
+        grad._in_place_walk(counted, *args, last_len=v_rows % chunk - 1)
 
 
 def test_dz_in_place_equals_dz_chunk():

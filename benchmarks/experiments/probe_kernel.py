@@ -569,9 +569,12 @@ def main(argv):
         # col_group 16: none faster than the shipped configs; the third the chunk (8192 shipped).
         # The fourth (h200_2026-12-02/call1_probe_walk10.log) timed the 2-CTA clusters, off then:
         # "m" 23.90 / 96.22 ms vs none 24.29 / 96.89, "n" 24.34 / 96.78, 0 rows differing; "m" is
-        # shipped since. Now: the shipped walk (cluster "m", exact last chunk) against no cluster,
-        # the "n" pair, dW's stores draining under the next tile, chunks of 12288 / 16384, and the
-        # last chunk clamped as before.
+        # shipped since. The fifth (h200_2026-12-02b/call1_probe_walk10.log): the exact last chunk
+        # 23.47 / 92.86 vs clamped 23.83 / 95.50, chunk 16384 23.04 / 91.63 (shipped since), dW
+        # out_slots 4 no faster. Now: the shipped walk (cluster "m", chunk 16384, last chunk exact)
+        # against no cluster, the "n" pair, dW's stores draining under the next tile, chunks of
+        # 8192 / 12288, the last chunk clamped as before; then tensor-parallel shards whose last
+        # chunk the kernels do not tile (rounded up vs clamped).
         from pallas_kernels import sm90_grad_gemm
 
         def with_gemms(dh_cfg=tuning.DH_GEMM, dw_cfg=tuning.DW_GEMM):
@@ -653,6 +656,29 @@ def main(argv):
         for name, dzk, chunk in variants[:2]:
             f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
+        # A tensor-parallel shard's local head (TP = 4: 38016 rows = 2 x 16384 + 5248; TP = 8:
+        # 19008 = 16384 + 2624): the last r columns do not tile by 256, so the walk's last chunk
+        # is r rounded up (5376 / 2816: 128 / 192 columns recomputed; twelfth session) instead of a
+        # clamped 16384-column chunk (11136 / 13760 recomputed): backward alone at M = 4096, rows
+        # whose dh / dW bytes differ.
+        for tp in (4, 8):
+            rows_l = V_ROWS // tp
+            shard_sets = [(h, w[:rows_l], jnp.clip(t, 0, rows_l - 1)) for h, w, t in arg_sets[:1]]
+            outs = {}
+            for name, dzk in (
+                ("rounded last chunk", entry),
+                ("clamped last chunk", dataclasses.replace(entry, in_place=whole_only)),
+            ):
+                f = jax.jit(
+                    lambda h, w, t, dzk=dzk: grad.backward(
+                        h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=rows_l, dz=dzk
+                    )
+                )
+                p.generic("walk10", f"backward shard TP={tp} ({rows_l} rows) {name}", 4096, f, shard_sets, calls=2)
+                outs[name] = [np.asarray(x, np.float32) for x in f(*shard_sets[0])[:2]]
+            for what, a, b in zip(("dh", "dW"), outs["rounded last chunk"], outs["clamped last chunk"]):
+                rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
+                print(f"walk10 TP={tp} shard {what}: rounded vs clamped last chunk: rows differing {rows}")
 
     if "backward" in groups:
         m = 4096
