@@ -466,3 +466,25 @@ def test_mosaic_ir_hashes_lowers_every_forward_variant_at_the_small_shape(monkey
     for name in got:
         if "logits=False" in name:
             assert got[name] != got[name.replace("logits=False", "logits=True")], name
+
+
+def test_call_overhead_times_each_lane(tmp_path):
+    """benchmarks.experiments.call_overhead (the decode call's host / device split) runs its
+    timing plumbing on the CPU (the GEMM lane of the tiny shape) and writes one JSON line per
+    lane and M whose back-to-back timings are positive and whose gap is their difference."""
+    out = tmp_path / "overhead.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.experiments.call_overhead", "--shape=tiny", "--m=1,8", "--lanes=gemm"]
+        + ["--samples=3", "--calls=3", f"--out={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["m"], r["lane"]) for r in rows] == [(1, "gemm"), (8, "gemm")]
+    for r in rows:
+        assert all(r[k] > 0 for k in ("enqueue_us", "single_us", "sample10_us", "sample100_us"))
+        assert abs(r["gap10_us"] - (r["sample10_us"] - r["sample100_us"])) < 1e-6

@@ -18,6 +18,9 @@
 #             shipped in-place chunk walk vs the slice walk and variants (the gradient GEMMs'
 #             clusters and staging boxes, the chunk, the last chunk clamped; M = 4096, 16384; rows
 #             whose dh / dW bytes differ; [D, V] at 4096)
+#   overhead  benchmarks.experiments.call_overhead --m 1,64: the decode call's enqueue time, latency and
+#             10 vs 100 back-to-back calls per sync for the trainer forward, the GEMM alone, the
+#             forward on pre-padded rows and the kernel alone (where the runner's 1.086x at M=1 goes)
 #   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 #             (does XLA fuse the chunk walk's slices into the GEMMs?)
 # Everything lands in $OUT/results.tgz. Run from the repo root on the device.
@@ -46,6 +49,9 @@ if [[ $STAGES == *,trace,* ]]; then
 fi
 if [[ $STAGES == *,walk,* ]]; then
   TAILN=30 stage walk10 320 python3 -m benchmarks.experiments.probe_kernel --groups walk10 --budget_s 280 --out "$OUT/probe_walk10.jsonl"
+fi
+if [[ $STAGES == *,overhead,* ]]; then
+  TAILN=14 stage call_overhead 120 python3 -m benchmarks.experiments.call_overhead --m 1,64 --out "$OUT/call_overhead.jsonl"
 fi
 if [[ $STAGES == *,dsf,* ]]; then
   TAILN=6 stage bench_dsf 80 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $RUN --m 4096 --backends pallas_sm90 --plot none --out "$OUT/fwd_bwd_dsf.json"
