@@ -16,7 +16,10 @@ lane, the same compiled executable is timed five ways (median over `--samples` s
 * `gap10_us` = sample10 - sample100: the per-call share of what one sync and the first
   dispatch cost in a 10-call sample.
 
-Lanes: `trainer` and `gemm` (the runner's own functions, `benchmarks.cases.build`), `padded`
+Lanes: `trainer`, `gemm` and `gemm_remat` (the runner's own functions,
+`benchmarks.cases.build`; with `--mode fwd_bwd` their training step: is the runner's time
+above the trace's busy time at M=4096 (31.35 vs 29.49 ms; the four cuBLAS GEMMs 30.17 vs
+28.78) a per-sample cost or a rate?), `padded`
 (`pallas_kernels.forward` on rows already padded to the kernel's row count: no pads, no
 output slices; the z_t selection and the fold remain) and `kernel` (the forward kernel alone on
 pre-padded operands, `kernel_timing.kernel_fn`). trainer - padded is the glue's share, padded
@@ -48,6 +51,9 @@ from pallas_kernels import tuning
 FLAGS = flags.FLAGS
 flags.DEFINE_string("shape", "qwen3_8b", "lm_head shape by name (benchmarks/shapes.py); the kernel lane is Qwen3-8B's.")
 flags.DEFINE_string("m", "1,64", "Comma-separated row counts.")
+flags.DEFINE_enum(
+    "mode", "fwd", list(cases.MODES), "fwd, or fwd_bwd for the runner's lanes (trainer, gemm, gemm_remat)."
+)
 flags.DEFINE_integer("samples", 15, "Samples per timing.")
 flags.DEFINE_integer("calls", 10, "Calls per enqueue sample.")
 flags.DEFINE_string("lanes", "trainer,gemm,padded,kernel", "Comma-separated lanes (see the module docstring).")
@@ -100,10 +106,13 @@ def lanes_for(shape, m: int, names) -> dict:
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, m)
     got = {}
     for name in names:
-        if name in ("trainer", "gemm"):
-            spec = cases.CaseSpec(backend="pallas_sm90" if name == "trainer" else "gemm", shape=shape)
+        if name in ("trainer", "gemm", "gemm_remat"):
+            backend = "pallas_sm90" if name == "trainer" else name
+            spec = cases.CaseSpec(backend=backend, shape=shape, mode=FLAGS.mode)
             f = jax.jit(cases.build(spec)).lower(hidden, weight, targets).compile()
             got[name] = lambda f=f: f(hidden, weight, targets)
+        elif FLAGS.mode != "fwd":
+            raise SystemExit(f"the {name} lane is a forward (--mode fwd)")
         elif name == "padded":
             cfg = tuning.select_bucket(m, None)
             n_pad = tuning.padded_rows(m, cfg)
@@ -136,7 +145,8 @@ def main(argv):
         calls = lanes_for(shape, m, names)
         outs = {}
         for name, call in calls.items():
-            row = {"shape": shape.name, "m": m, "lane": name, "device": str(jax.devices()[0].device_kind)}
+            row = {"shape": shape.name, "m": m, "mode": FLAGS.mode, "lane": name}
+            row["device"] = str(jax.devices()[0].device_kind)
             row.update(measure(call, FLAGS.samples, FLAGS.calls))
             outs[name] = call()
             print(
@@ -147,7 +157,7 @@ def main(argv):
             if FLAGS.out:
                 with open(FLAGS.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-        if "trainer" in outs and "padded" in outs:
+        if "trainer" in outs and "padded" in outs and FLAGS.mode == "fwd":
             for k in ("logp", "lse"):
                 a = np.asarray(outs["trainer"][k], np.float32)
                 b = np.asarray(outs["padded"][k], np.float32)[:m]

@@ -20,7 +20,8 @@
 #             whose dh / dW bytes differ; [D, V] at 4096)
 #   overhead  benchmarks.experiments.call_overhead --m 1,64: the decode call's enqueue time, latency and
 #             10 vs 100 back-to-back calls per sync for the trainer forward, the GEMM alone, the
-#             forward on pre-padded rows and the kernel alone (where the runner's 1.086x at M=1 goes)
+#             forward on pre-padded rows and the kernel alone (where the runner's 1.086x at M=1 goes);
+#             then the training step at M=4096 next to gemm_remat (the runner's time vs the trace's)
 #   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 #             (does XLA fuse the chunk walk's slices into the GEMMs?)
 # Everything lands in $OUT/results.tgz. Run from the repo root on the device.
@@ -52,6 +53,7 @@ if [[ $STAGES == *,walk,* ]]; then
 fi
 if [[ $STAGES == *,overhead,* ]]; then
   TAILN=14 stage call_overhead 120 python3 -m benchmarks.experiments.call_overhead --m 1,64 --out "$OUT/call_overhead.jsonl"
+  TAILN=4 stage call_overhead_bwd 120 python3 -m benchmarks.experiments.call_overhead --mode fwd_bwd --m 4096 --lanes trainer,gemm_remat --samples 5 --out "$OUT/call_overhead.jsonl"
 fi
 if [[ $STAGES == *,dsf,* ]]; then
   TAILN=6 stage bench_dsf 80 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $RUN --m 4096 --backends pallas_sm90 --plot none --out "$OUT/fwd_bwd_dsf.json"
