@@ -18,6 +18,8 @@
 #             shipped in-place chunk walk vs the slice walk and variants (the gradient GEMMs'
 #             clusters and staging boxes, the chunk, the last chunk clamped; M = 4096, 16384; rows
 #             whose dh / dW bytes differ; [D, V] at 4096)
+#   mid       benchmarks.experiments.probe_kernel --groups mid12: the prefill kernel's work order
+#             (split_group 0 / 2 / 4 / 8) at M = 384 .. 4096 next to the GEMM alone (a fourth bucket?)
 #   overhead  benchmarks.experiments.call_overhead --m 1,64: the decode call's enqueue time, latency and
 #             10 vs 100 back-to-back calls per sync for the trainer forward, the GEMM alone, the
 #             forward on pre-padded rows and the kernel alone (where the runner's 1.086x at M=1 goes);
@@ -50,6 +52,9 @@ if [[ $STAGES == *,trace,* ]]; then
 fi
 if [[ $STAGES == *,walk,* ]]; then
   TAILN=30 stage walk10 320 python3 -m benchmarks.experiments.probe_kernel --groups walk10 --budget_s 280 --out "$OUT/probe_walk10.jsonl"
+fi
+if [[ $STAGES == *,mid,* ]]; then
+  TAILN=30 stage mid12 240 python3 -m benchmarks.experiments.probe_kernel --groups mid12 --budget_s 220 --out "$OUT/probe_mid12.jsonl"
 fi
 if [[ $STAGES == *,overhead,* ]]; then
   TAILN=14 stage call_overhead 120 python3 -m benchmarks.experiments.call_overhead --m 1,64 --out "$OUT/call_overhead.jsonl"
