@@ -517,8 +517,8 @@ def _in_place_walk(
     add). The last r columns: one chunk of `last_len` = L columns (r <= L <= chunk; default
     chunk: as `_chunk_walk`'s clamped last chunk) ending at the last row, whose first L - r
     columns get no gradient (their dz is 0, so dh's sums are the same; L = r recomputes
-    nothing, L = chunk 3584 columns of 8192 at the Qwen3-8B head: `_last_chunk_len` picks the
-    shortest L the kernels take). The r new dW rows are written by the kernel where it tiles
+    nothing, L = chunk recomputes chunk - r columns, 11776 of 16384 at the Qwen3-8B head:
+    `_last_chunk_len` picks the shortest L the kernels take). The r new dW rows are written by the kernel where it tiles
     r columns, else formed by XLA. db (with a bias) is the chunk's column sum of dz written at
     the offset. Returns (dh [n_pad, D] f32, dW in the weight's layout and dtype, db or None)."""
     v_axis = 0 if weight_layout == "vd" else 1
