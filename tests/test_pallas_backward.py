@@ -317,6 +317,23 @@ def test_last_chunk_length_gives_the_clamped_chunks_bytes(layout, v_rows, length
         grad._in_place_walk(counted, *args, last_len=v_rows % chunk - 1)
 
 
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_last_chunk_length_at_real_heads(layout):
+    """The in-place walk's last chunk at the shipped chunk on real heads (shapes only): the
+    Qwen3-8B head's last 4608 columns as they are, a TP=4 / TP=8 shard's (38016 / 19008 rows)
+    and a 50304-row head's rounded up to 256 (5376 / 2816 / 1280: 128 / 192 / 128 columns
+    recomputed, not a whole clamped chunk), none where the chunk divides the rows."""
+    import jax
+
+    S = jax.ShapeDtypeStruct
+    dzk = backends.get("pallas_sm90").dz
+    chunk = grad.IN_PLACE_CHUNK
+    for v_rows, want in ((152064, 4608), (38016, 5376), (19008, 2816), (50304, 1280), (131072, 0)):
+        w = S((v_rows, 4096) if layout == "vd" else (4096, v_rows), jnp.bfloat16)
+        got = grad._last_chunk_len(dzk, S((4096, 4096), jnp.bfloat16), w, chunk, layout)
+        assert got == want, (v_rows, got)
+
+
 def test_dz_in_place_equals_dz_chunk():
     """dz of the chunk [start, start + chunk) read in place from the whole weight and bias, with
     absolute targets and bounds, is dz_chunk's of the sliced chunk, bit for bit (interpret)."""
