@@ -287,13 +287,11 @@ print(json.dumps(planned))
 """
 
 
-def test_kernel_experiments_plan_valid_configs():
-    """benchmarks.experiments imports on CPU and every forward variant probe_kernel would time is a
-    valid config of one kernel (configs are checked when made, so a bad variant would end the whole
-    GPU run before its first timing). In a subprocess: the experiments' absl flags (--out, --m)
-    share names with benchmarks.run's."""
+def _run_on_cpu(args):
+    """`python <args>` from the repo root on the CPU platform (a subprocess: the experiments'
+    absl flags, e.g. --out and --m, share names with benchmarks.run's); asserts it succeeded."""
     proc = subprocess.run(
-        [sys.executable, "-c", _EXPERIMENTS_DRY_RUN],
+        [sys.executable, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -301,6 +299,15 @@ def test_kernel_experiments_plan_valid_configs():
         env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_kernel_experiments_plan_valid_configs():
+    """benchmarks.experiments imports on CPU and every forward variant probe_kernel would time is a
+    valid config of one kernel (configs are checked when made, so a bad variant would end the whole
+    GPU run before its first timing). In a subprocess: the experiments' absl flags (--out, --m)
+    share names with benchmarks.run's."""
+    proc = _run_on_cpu(["-c", _EXPERIMENTS_DRY_RUN])
     planned = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(planned) > 50
     kinds = {k for *_, k in planned}
@@ -473,16 +480,10 @@ def test_call_overhead_times_each_lane(tmp_path):
     timing plumbing on the CPU (the GEMM lane of the tiny shape) and writes one JSON line per
     lane and M whose back-to-back timings are positive and whose gap is their difference."""
     out = tmp_path / "overhead.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.experiments.call_overhead", "--shape=tiny", "--m=1,8", "--lanes=gemm"]
-        + ["--samples=3", "--calls=3", f"--out={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+    _run_on_cpu(
+        ["-m", "benchmarks.experiments.call_overhead", "--shape=tiny", "--m=1,8", "--lanes=gemm"]
+        + ["--samples=3", "--calls=3", f"--out={out}"]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(r["m"], r["lane"]) for r in rows] == [(1, "gemm"), (8, "gemm")]
     for r in rows:
