@@ -447,16 +447,18 @@ def test_default_chunk_follows_the_walk_not_the_rows():
         assert seen and seen[0] == want, (d, n, seen)
 
 
-def test_in_place_walk_inside_shard_map_with_vma_checks():
+@pytest.mark.parametrize("v_rows", [1280, 1600], ids=["tail256", "tail64-rounded"])
+def test_in_place_walk_inside_shard_map_with_vma_checks(v_rows):
     """Inside `jax.shard_map(..., check_vma=True)` (a one-device mesh: the vocab axis is manual)
     with the shard's vocab size traced from the rank (as `sharding.tp` passes it) the in-place
     walk traces (its kernels' results take the operands' mesh axes) and gives the same bytes
-    as outside (interpret mode)."""
+    as outside (interpret mode); also with a last chunk rounded up (64 columns walked as 256,
+    their dW rows formed by XLA)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     rng = np.random.default_rng(8)
-    n, d, v_rows, vocab, chunk = 12, 256, 1280, 1240, 512
+    n, d, vocab, chunk = 12, 256, v_rows - 40, 512
     h, w, b, t, inv_t, lse, g_logp, g_lse, _, _ = _walk_case(rng, n, d, v_rows, vocab)
     entry = backends.get("pallas_sm90").dz
     dzk = dataclasses.replace(
