@@ -289,12 +289,18 @@ class GradGemmConfig:
     # Staging boxes ([64, 64] of the output) per consumer warpgroup for the epilogue's TMA stores:
     # 2 (shipped) alternate, and the tile's stores are waited out before the next tile; a whole
     # tile's worth (4 at [64, 256] per warpgroup) lets them drain under the next tile's K walk
-    # (fits next to 3 stages with a bf16 output; not timed yet: probe group walk10).
+    # (fits next to 3 stages with a bf16 output; H200, walk10: no faster, twelfth session).
     out_slots: int = 2
+    # 0 (shipped): each K step's wgmma is waited out before its pipeline slot is released. 1: one
+    # wgmma group stays in flight (`wgmma_wait(1)`; the slot is released one step later), so the
+    # next step's wgmma is issued while the previous one runs; each element's sum is the same
+    # sequence of wgmmas (not timed yet: probe group walk10).
+    delay_release: int = 0
 
     def __post_init__(self):
         _require(self.wg_split in ("m", "n"), self, f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
         _require_int(self, "out_slots", 2)
+        _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
         _require(self.cluster in (None, "m", "n"), self, f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
         wm, wn = self.wg_tile
         _require(

@@ -548,6 +548,48 @@ def test_shipped_gradient_gemms_drop_their_cluster_only_where_it_cannot_run():
     jax.jit(fh).trace(S((128, 512), jnp.float32), dz, w, S((), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gradient_gemms_with_one_wgmma_in_flight(layout):
+    """GradGemmConfig.delay_release=1 (the next K step's wgmma issued before the last one is
+    waited out) gives the shipped dh_accumulate's and dw_write's bytes (interpret mode: the
+    pipeline's slot release and indexing; the H200 times it, probe group walk10) and lowers for
+    CUDA with the shipped clusters; the shipped configs keep 0."""
+    import jax
+
+    from pallas_kernels import sm90_grad_gemm as gg
+    from pallas_kernels import tuning
+
+    assert tuning.DH_GEMM.delay_release == 0 and tuning.DW_GEMM.delay_release == 0
+    rng = np.random.default_rng(12)
+    n_pad, d, chunk, v = 128, 256, 512, 1024
+    dz = jnp.asarray(rng.standard_normal((n_pad, chunk)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((n_pad, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v, d) if layout == "vd" else (d, v)), jnp.bfloat16)
+    dh0 = jnp.asarray(rng.standard_normal((n_pad, d)), jnp.float32)
+    dw0 = jnp.zeros(w.shape, jnp.bfloat16)
+    kw = dict(weight_layout=layout, interpret=True)
+    dh_cfg = dataclasses.replace(tuning.DH_GEMM, cluster=None, delay_release=1)
+    dw_cfg = dataclasses.replace(tuning.DW_GEMM, cluster=None, delay_release=1)
+    for want, got in (
+        (gg.dh_accumulate(dh0, dz, w, 256, **kw), gg.dh_accumulate(dh0, dz, w, 256, cfg=dh_cfg, **kw)),
+        (gg.dw_write(dw0, dz, h, 256, **kw), gg.dw_write(dw0, dz, h, 256, cfg=dw_cfg, **kw)),
+    ):
+        assert_bitwise_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        assert np.abs(np.asarray(got, np.float32)).max() > 0
+    S = jax.ShapeDtypeStruct
+    dh_cuda = dataclasses.replace(tuning.DH_GEMM, delay_release=1)
+    dw_cuda = dataclasses.replace(tuning.DW_GEMM, delay_release=1)
+    b16 = jnp.bfloat16
+    jax.jit(lambda dh, dz, w, s: gg.dh_accumulate(dh, dz, w, s, cfg=dh_cuda, weight_layout=layout)).trace(
+        S((256, d), jnp.float32), S((256, chunk), b16), S(w.shape, b16), S((), jnp.int32)
+    ).lower(lowering_platforms=("cuda",))
+    jax.jit(lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s, cfg=dw_cuda, weight_layout=layout)).trace(
+        S(w.shape, b16), S((256, chunk), b16), S((256, d), b16), S((), jnp.int32)
+    ).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="delay_release"):
+        tuning.GradGemmConfig(delay_release=2)
+
+
 def test_dw_gemm_with_a_whole_tile_of_staging_boxes():
     """GradGemmConfig.out_slots (the epilogue's TMA staging boxes per warpgroup): a whole tile's
     worth (4) with 3 stages gives the shipped dw_write's bytes (interpret mode: the indexing; the

@@ -15,9 +15,10 @@
 #   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 64, 512, 4096, 16384
 #   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
 #   walk      benchmarks.experiments.probe_kernel --groups walk10: the backward alone with the
-#             shipped in-place chunk walk vs the slice walk and variants (the gradient GEMMs'
-#             clusters and staging boxes, the chunk, the last chunk clamped; M = 4096, 16384; rows
-#             whose dh / dW bytes differ; [D, V] at 4096)
+#             shipped in-place chunk walk vs the slice walk and variants (the gradient GEMMs
+#             without clusters and with one wgmma in flight, the chunk, the last chunk clamped;
+#             M = 4096, 16384; rows whose dh / dW bytes differ; [D, V] at 4096; TP=4 / 8 shards
+#             with the last chunk rounded up vs clamped)
 #   mid       benchmarks.experiments.probe_kernel --groups mid12: the prefill kernel's work order
 #             (split_group 0 / 2 / 4 / 8) at M = 384 .. 4096 next to the GEMM alone (a fourth bucket?)
 #   overhead  benchmarks.experiments.call_overhead --m 1,64: the decode call's enqueue time, latency and
