@@ -220,9 +220,13 @@ class DzConfig:
     block_n: int = 256  # columns per work item (wgmma N); chunks must be a multiple of it
     max_concurrent_steps: int = 4  # pipeline depth
     col_group: int = 4  # work order: column blocks in groups of this, row blocks fastest inside
+    # 0 (shipped): each K step's wgmma is waited out before its slot is released; 1: one wgmma
+    # group in flight (as GradGemmConfig.delay_release; not timed yet: probe group walk10).
+    delay_release: int = 0
 
     def __post_init__(self):
         _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
+        _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
         _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
         _require(self.block_n in (64, 128, 192, 256), self, f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
         _require_int(self, "max_concurrent_steps", 1)

@@ -590,6 +590,43 @@ def test_gradient_gemms_with_one_wgmma_in_flight(layout):
         tuning.GradGemmConfig(delay_release=2)
 
 
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_dz_kernel_with_one_wgmma_in_flight(layout):
+    """DzConfig.delay_release=1 gives the shipped dz_in_place's bytes (interpret mode) and lowers
+    for CUDA; the shipped config keeps 0, and a config with another tile is refused (callers pad
+    rows and pick chunks for the shipped one)."""
+    import jax
+
+    from pallas_kernels import tuning
+
+    assert tuning.DZ.delay_release == 0
+    rng = np.random.default_rng(13)
+    n_pad, d, v_rows, chunk = 128, 128, 1024, 256
+    h = jnp.asarray(rng.standard_normal((n_pad, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v_rows, d)) * 0.3, jnp.bfloat16)
+    wl = w if layout == "vd" else w.T
+    t = jnp.asarray(rng.integers(0, v_rows, n_pad), jnp.int32)
+    rows = [jnp.asarray(x, jnp.float32) for x in (rng.uniform(0.6, 1.4, n_pad), rng.uniform(3, 5, n_pad))]
+    c1, c2 = (jnp.asarray(rng.standard_normal(n_pad), jnp.float32) for _ in range(2))
+    bounds = jnp.asarray([512, 512, 1000], jnp.int32)
+    args = (h, wl, None, t, *rows, c1, c2, bounds)
+    delay = dataclasses.replace(tuning.DZ, delay_release=1)
+    kw = dict(chunk=chunk, weight_layout=layout)
+    with row_invariant_wgmma():
+        want = pk.dz_in_place(*args, interpret=True, **kw)
+        got = pk.dz_in_place(*args, interpret=True, cfg=delay, **kw)
+    assert_bitwise_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(got, np.float32)).max() > 0
+    S = jax.ShapeDtypeStruct
+    specs = [S(x.shape, x.dtype) for x in (h, wl)] + [S(x.shape, x.dtype) for x in (t, *rows, c1, c2, bounds)]
+    fn = lambda h, w, t, r0, r1, a, b, bd: pk.dz_in_place(h, w, None, t, r0, r1, a, b, bd, cfg=delay, **kw)  # noqa: E731
+    jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="shipped tile"):
+        pk.dz_in_place(*args, interpret=True, cfg=dataclasses.replace(tuning.DZ, block_n=128), **kw)
+    with pytest.raises(ValueError, match="delay_release"):
+        tuning.DzConfig(delay_release=2)
+
+
 def test_dw_gemm_with_a_whole_tile_of_staging_boxes():
     """GradGemmConfig.out_slots (the epilogue's TMA staging boxes per warpgroup): a whole tile's
     worth (4) with 3 stages gives the shipped dw_write's bytes (interpret mode: the indexing; the
