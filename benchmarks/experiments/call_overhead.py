@@ -46,6 +46,7 @@ from absl import app, flags
 import pallas_kernels as pk
 from benchmarks import cases, shapes
 from benchmarks.experiments import kernel_timing as kt
+from detlogp_jax import contract as C
 from pallas_kernels import tuning
 
 FLAGS = flags.FLAGS
@@ -117,7 +118,7 @@ def lanes_for(shape, m: int, names) -> dict:
             cfg = tuning.select_bucket(m, None)
             n_pad = tuning.padded_rows(m, cfg)
             h_p = jnp.pad(hidden, ((0, n_pad - m), (0, 0)))
-            t_p = jnp.pad(targets, (0, n_pad - m), constant_values=-100)
+            t_p = jnp.pad(targets, (0, n_pad - m), constant_values=C.IGNORE_INDEX)
             inv_t = jnp.ones((n_pad,), jnp.float32)
 
             def padded(h, w, t, it):
