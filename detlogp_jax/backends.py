@@ -89,8 +89,9 @@ class InPlaceWalk:
       dW = dw(dW, dz, hidden_p, start, col0=, cols=, weight_layout=)
                                  -- dW's rows (or [D, V] columns) [start, start + cols) set
                                     to dz[:, col0 : col0 + cols].T @ hidden_p, in dW's buffer
-    `dw_cols_supported(cols)`: whether `dw` takes a last chunk's `cols` new columns (else
-    grad.backward forms those few rows with XLA)."""
+    `dw_cols_supported(cols)`: whether `dw` takes a last chunk's `cols` new columns at col0 > 0
+    (else grad.backward writes that chunk's whole dW block before the full chunks, which then
+    overwrite its first rows)."""
 
     dz: Callable
     dh: Callable

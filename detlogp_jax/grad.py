@@ -511,55 +511,67 @@ def _in_place_walk(
     walk, hp, weight, bias, targets, rows, ent_kw, vocab_size, chunk, weight_layout, operands, last_len=None
 ):
     """`_chunk_walk` of the fused dz kernel with a backend's `backends.InPlaceWalk`: the same
-    chunks in the same order (q full chunks in a scan, then the last r columns), but the dz
-    kernel and the dh GEMM read the weight at the chunk's offset and the dW GEMM writes dW at
-    it, and dh is accumulated in its own buffer (no weight-chunk copy, no dW-chunk copy, no dh
+    chunks, dh summed in the same order (q full chunks in a scan, then the last r columns), but
+    the dz kernel and the dh GEMM read the weight at the chunk's offset and the dW GEMM writes dW
+    at it, and dh is accumulated in its own buffer (no weight-chunk copy, no dW-chunk copy, no dh
     add). The last r columns: one chunk of `last_len` = L columns (r <= L <= chunk; default
     chunk: as `_chunk_walk`'s clamped last chunk) ending at the last row, whose first L - r
     columns get no gradient (their dz is 0, so dh's sums are the same; L = r recomputes
     nothing, L = chunk recomputes chunk - r columns, 11776 of 16384 at the Qwen3-8B head:
-    `_last_chunk_len` picks the shortest L the kernels take). The r new dW rows are written by the kernel where it tiles
-    r columns, else formed by XLA. db (with a bias) is the chunk's column sum of dz written at
-    the offset. Returns (dh [n_pad, D] f32, dW in the weight's layout and dtype, db or None)."""
+    `_last_chunk_len` picks the shortest L the kernels take). Its r new dW rows: where the dW
+    kernel tiles r columns it writes them in the last step; else its dz is formed first and the
+    kernel writes all L rows before the scan (the first L - r as zeros, which the last full
+    chunk then overwrites), and that dz is kept for the last dh step (n_pad x L bf16 more
+    memory). So every dW row is a kernel's and no XLA op updates the kernels' dW buffer (XLA's
+    dynamic-slice fusion of jax 0.11.2 fails to compile a dynamic_update_slice into a Mosaic
+    call's output: "DUS target must be a fusion parameter", H200, a TP=8 shard's 19008 rows).
+    db (with a bias) is the chunk's column sum of dz written at the offset. Returns (dh [n_pad,
+    D] f32, dW in the weight's layout and dtype, db or None)."""
     v_axis = 0 if weight_layout == "vd" else 1
     v_rows = weight.shape[v_axis]
     n_full, tail = divmod(v_rows, chunk)
-
     bias32 = None if bias is None else bias.astype(jnp.float32)
 
-    def step(carry, bounds, col0=0, length=chunk):
+    def dz_at(bounds, length):
+        return walk.dz(hp, weight, bias32, targets, *rows, bounds, chunk=length, weight_layout=weight_layout, **ent_kw)
+
+    def db_at(db, dz, col0, new):
+        if db is None:
+            return None
+        return lax.dynamic_update_slice_in_dim(db, jnp.sum(dz[:, col0:].astype(jnp.float32), axis=0), new, axis=0)
+
+    def step(carry, bounds):
         dh, dw, db = carry
         start = bounds[0]
-        dz = walk.dz(hp, weight, bias32, targets, *rows, bounds, chunk=length, weight_layout=weight_layout, **ent_kw)
+        dz = dz_at(bounds, chunk)
         dh = walk.dh(dh, dz, weight, start, weight_layout=weight_layout)
-        new = start + col0  # the first dW row (column) this chunk writes
-        if col0 == 0 or walk.dw_cols_supported(length - col0):
-            dw = walk.dw(dw, dz, hp, new, col0=col0, cols=length - col0, weight_layout=weight_layout)
-        else:  # a last chunk's few new columns the kernel does not tile: XLA forms those rows
-            dz_new = dz[:, col0:]
-            dw_new = jnp.einsum(
-                "nv,nd->vd" if v_axis == 0 else "nv,nd->dv", dz_new, hp, preferred_element_type=weight.dtype
-            )
-            dw = lax.dynamic_update_slice_in_dim(dw, dw_new.astype(weight.dtype), new, axis=v_axis)
-        if db is not None:
-            db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz[:, col0:].astype(jnp.float32), axis=0), new, axis=0)
-        return vma.like((dh, dw, db), *operands)
+        dw = walk.dw(dw, dz, hp, start, col0=0, cols=chunk, weight_layout=weight_layout)
+        return vma.like((dh, dw, db_at(db, dz, 0, start)), *operands)
 
-    init = (
-        jnp.zeros(hp.shape, jnp.float32),
-        lax.empty(weight.shape, weight.dtype),  # every row is written once (see _chunk_walk)
-        None if bias is None else lax.empty(bias.shape, jnp.float32),
-    )
-    init = vma.like(init, *operands)
-    table = jnp.asarray(
-        [[i * chunk, i * chunk, vocab_size] for i in range(n_full)], jnp.int32
-    )  # (start, lo, hi) per chunk: a constant of the program
-    carry, _ = lax.scan(lambda c, b: (step(c, b), None), init, table)
+    dh = jnp.zeros(hp.shape, jnp.float32)
+    dw = lax.empty(weight.shape, weight.dtype)  # every row is written (see the docstring)
+    db = None if bias is None else lax.empty(bias.shape, jnp.float32)
+    dh, dw, db = vma.like((dh, dw, db), *operands)
+    dz_first = None  # the last chunk's dz where its dW rows are written before the scan
     if tail:
         length = chunk if last_len is None else int(last_len)
         if not tail <= length <= chunk:
             raise ValueError(f"the last chunk's length must be in [{tail}, {chunk}], got {length}")
-        bounds = jnp.asarray([v_rows - length, n_full * chunk, vocab_size], jnp.int32)
-        carry = step(carry, bounds, col0=length - tail, length=length)
-    dh, dw, db = carry
+        col0, start = length - tail, v_rows - length
+        bounds = jnp.asarray([start, n_full * chunk, vocab_size], jnp.int32)
+        if col0 and not walk.dw_cols_supported(tail):
+            dz_first = dz_at(bounds, length)
+            dw = walk.dw(dw, dz_first, hp, start, col0=0, cols=length, weight_layout=weight_layout)
+            dh, dw, db = vma.like((dh, dw, db_at(db, dz_first, col0, start + col0)), *operands)
+    table = jnp.asarray(
+        [[i * chunk, i * chunk, vocab_size] for i in range(n_full)], jnp.int32
+    )  # (start, lo, hi) per chunk: a constant of the program
+    (dh, dw, db), _ = lax.scan(lambda c, b: (step(c, b), None), (dh, dw, db), table)
+    if tail:
+        dz = dz_at(bounds, length) if dz_first is None else dz_first
+        dh = walk.dh(dh, dz, weight, start, weight_layout=weight_layout)
+        if dz_first is None:
+            dw = walk.dw(dw, dz, hp, start + col0, col0=col0, cols=tail, weight_layout=weight_layout)
+            db = db_at(db, dz, col0, start + col0)
+        dh, dw, db = vma.like((dh, dw, db), *operands)
     return dh, dw, (None if bias is None else db.astype(bias.dtype))

@@ -236,8 +236,9 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
     written at it: sm90_dz.dz_in_place + sm90_grad_gemm) gives the slice walk's gradients on
     the same dz kernel: db bitwise (the same dz, the same column sums), dh and dW within
     the rounding of another FP32 summation order; both layouts, a last chunk the kernels
-    tile (256: walked as a chunk of its own) and one they do not (320: a clamped chunk,
-    XLA forms its new dW rows); two
+    tile (256: walked as a chunk of its own) and ones whose new columns the dW kernel does not
+    tile at an offset (320, 64: a longer last chunk whose whole dW block is written before
+    the full chunks); two
     runs give identical bytes; the in-place kernels ran and no padding row has a gradient."""
     rng = np.random.default_rng(5)
     n, d, vocab, chunk = 12, 256, v_rows - 40, 512
@@ -258,11 +259,12 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
         got = grad.backward(*args, dz=in_place, **kw)
         traced = list(calls)
         again = grad.backward(*args, dz=in_place, **kw)
-    # traced once in the scan's body, once for the last chunk: its 256 columns walked as a chunk
-    # of their own (the kernels tile them), while 320 take a clamped chunk whose new columns'
-    # dW rows XLA forms
+    # traced once in the scan's body, once for the last chunk: its 256 columns walked after the
+    # scan as a chunk of their own (the kernels tile them), while 320 / 64 take a longer chunk
+    # (L = 512 / 256) whose whole dW block is written before the scan
     tail = v_rows % chunk
-    want_calls = [(0, chunk)] + ([(0, tail)] if tail % 256 == 0 else [])
+    length = grad._last_chunk_len(in_place, h, wl, chunk, layout)
+    want_calls = [(0, chunk), (0, tail)] if tail % 256 == 0 else [(0, length), (0, chunk)]
     assert [(c["col0"], c["cols"]) for c in traced] == want_calls, traced
     for name, g_, e, bound in zip(("hidden", "weight", "bias"), got, want, (1e-3, 1e-2, 0)):
         assert g_.shape == e.shape and g_.dtype == e.dtype, name
@@ -287,8 +289,10 @@ def test_last_chunk_length_gives_the_clamped_chunks_bytes(layout, v_rows, length
     row (L = r: the chunk itself; r < L < chunk: r rounded up to what the kernels tile) give
     the bytes of the chunk clamped to a whole chunk (L = chunk): the same dh, dW and db (the
     L - r recomputed columns have dz = 0, so they add zero products to dh and write no dW
-    row; the r new dW rows come from the kernel where it tiles them, else from XLA in both),
-    with fewer columns recomputed; and grad picks the shortest L the kernels take."""
+    row; the r new dW rows are the dW kernel's in both: written in the last step where it tiles
+    r columns at an offset, else with the chunk's whole block before the full chunks, which
+    then overwrite its first L - r rows), with fewer columns recomputed; and grad picks the
+    shortest L the kernels take."""
     rng = np.random.default_rng(8)
     n, d, chunk = 12, 256, 512
     vocab = v_rows - 40
@@ -305,7 +309,9 @@ def test_last_chunk_length_gives_the_clamped_chunks_bytes(layout, v_rows, length
     args = (hp, wl, b, padr(t, -1), rows, {}, vocab, chunk, layout, (hp, wl))
     with row_invariant_wgmma():
         outs = [grad._in_place_walk(counted, *args, last_len=length) for length in lengths]
-    assert calls == [x for length in lengths for x in (chunk, length)], calls
+    tail = v_rows % chunk
+    first = lambda length: length > tail and not walk.dw_cols_supported(tail)  # noqa: E731
+    assert calls == [x for L in lengths for x in ((L, chunk) if first(L) else (chunk, L))], calls
     for got in outs[:-1]:
         for e, c in zip(got, outs[-1]):
             assert_bitwise_equal(np.asarray(e, np.float32), np.asarray(c, np.float32))
@@ -453,7 +459,7 @@ def test_in_place_walk_inside_shard_map_with_vma_checks(v_rows):
     with the shard's vocab size traced from the rank (as `sharding.tp` passes it) the in-place
     walk traces (its kernels' results take the operands' mesh axes) and gives the same bytes
     as outside (interpret mode); also with a last chunk rounded up (64 columns walked as 256,
-    their dW rows formed by XLA)."""
+    whose whole dW block is written before the full chunks)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -659,3 +665,37 @@ def test_dw_gemm_with_a_whole_tile_of_staging_boxes():
         jax.jit(lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s, cfg=too_big)).trace(*args)
     with pytest.raises(ValueError, match="out_slots"):
         tuning.GradGemmConfig(out_slots=1)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_no_xla_update_of_the_kernels_dw(layout):
+    """Lowered for CUDA (shapes only), the fused backward's in-place walk leaves every dW row to
+    the kernels: no dynamic_update_slice writes into a weight-shaped buffer, also where the
+    last chunk's new columns are not tiled by the dW kernel at an offset (64 columns after one
+    and after three full chunks). XLA's dynamic-slice fusion in jax 0.11.2 cannot compile an
+    update whose target is a Mosaic call's output ("DUS target must be a fusion parameter" on
+    the H200 at a TP=8 shard of the Qwen3-8B head, 19008 rows = one chunk of 16384 + 2624, when
+    XLA formed those rows), and a loop of one chunk leaves the dW kernel's output as the target."""
+    import re
+
+    import jax
+
+    S = jax.ShapeDtypeStruct
+    dzk = backends.get("pallas_sm90").dz
+    n, d, chunk = 12, 256, 512
+    for v_rows in (576, 1600, 1280):
+        shape = (v_rows, d) if layout == "vd" else (d, v_rows)
+        vec = S((n,), jnp.float32)
+        args = (S((n, d), jnp.bfloat16), S(shape, jnp.bfloat16), S((v_rows,), jnp.bfloat16), S((n,), jnp.int32))
+        args += (vec, vec, vec, vec)
+        assert grad._in_place_ok(dzk, args[0], args[1], chunk, layout), v_rows
+
+        def f(*a):
+            return grad.backward(*a, None, vocab_size=v_rows - 40, chunk=chunk, dz=dzk, weight_layout=layout)
+
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 3, v_rows
+        w_type = "tensor<{}x{}xbf16>".format(*shape)
+        updates = re.findall(r"stablehlo\.dynamic_update_slice .*-> (tensor<[^>]*>)", text)
+        assert w_type not in updates, (v_rows, updates)
+        assert any(u.startswith(f"tensor<{v_rows}x") for u in updates) or v_rows % chunk == 0  # db's, for contrast

@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only); pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -565,7 +565,9 @@ def main(argv):
             defaults["chunk"] = shipped
             jax.clear_caches()
 
-    if "walk10" in groups:
+    if "walk10" in groups or "shards13" in groups:
+        # shards13 (thirteenth session): only the tensor-parallel shards at the end of this group
+        # (their last chunk's dW block now written before the full chunks).
         # The recompute backward's chunk walk without copies (tenth session, issue 18 item 1):
         # grad.backward with the in-place walk (sm90_dz.dz_in_place + sm90_grad_gemm: no weight-
         # chunk slices, no dW-chunk updates) against the slice walk (XLA's GEMMs on copies), alone
@@ -655,7 +657,7 @@ def main(argv):
                 )
             )
 
-        for m in (4096, 16384):
+        for m in (4096, 16384) if "walk10" in groups else ():
             arg_sets, lse, ones = bwd_setup(m)
             outs = {}
             for name, dzk, chunk in variants:
@@ -681,14 +683,17 @@ def main(argv):
         # [D, V] weight (Flax / Tunix kernel) at M = 4096
         arg_sets, lse, ones = bwd_setup(4096)
         dv_sets = [(h, jnp.asarray(w.T), t) for h, w, t in arg_sets[:1]]
-        for name, dzk, chunk in variants[:2]:
+        for name, dzk, chunk in variants[:2] if "walk10" in groups else ():
             f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
         # A tensor-parallel shard's local head (TP = 4: 38016 rows = 2 x 16384 + 5248; TP = 8:
         # 19008 = 16384 + 2624): the last r columns do not tile by 256, so the walk's last chunk
         # is r rounded up (5376 / 2816: 128 / 192 columns recomputed; twelfth session) instead of a
         # clamped 16384-column chunk (11136 / 13760 recomputed): backward alone at M = 4096, rows
-        # whose dh / dW bytes differ.
+        # whose dh / dW bytes differ. The TP = 8 shard failed to compile on the H200 in the
+        # thirteenth session (h200_2026-12-02c/call1_probe_walk10.log: XLA's dynamic-slice fusion,
+        # "DUS target must be a fusion parameter", on the XLA-formed rows of its last chunk);
+        # since then the dW kernel writes them (grad._in_place_walk).
         for tp in (4, 8):
             rows_l = V_ROWS // tp
             shard_sets = [(h, w[:rows_l], jnp.clip(t, 0, rows_l - 1)) for h, w, t in arg_sets[:1]]

@@ -19,12 +19,15 @@
 #             without clusters and with one wgmma in flight (delay_release), the last chunk clamped;
 #             M = 4096, 16384; rows whose dh / dW bytes differ; [D, V] at 4096; TP=4 / 8 shards
 #             with the last chunk rounded up vs clamped)
+#   shards    benchmarks.experiments.probe_kernel --groups shards13: walk10's TP = 4 / 8 shards only
+#             (their last chunk's dW block written before the full chunks; rounded vs clamped)
 #   mid       benchmarks.experiments.probe_kernel --groups mid12: the prefill kernel's work order
 #             (split_group 0 / 2 / 4 / 8) at M = 384 .. 4096 next to the GEMM alone (a fourth bucket?)
 #   overhead  benchmarks.experiments.call_overhead --m 1,64: the decode call's enqueue time, latency and
 #             10 vs 100 back-to-back calls per sync for the trainer forward, the GEMM alone, the
 #             forward on pre-padded rows and the kernel alone (where the runner's 1.086x at M=1 goes);
-#             then the training step at M=4096 next to gemm_remat (the runner's time vs the trace's)
+#             then the training step at M=4096 next to gemm_remat (the runner's time vs the trace's;
+#             that part alone: overhead_bwd)
 #   dsf       the recompute lane again with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 #             (does XLA fuse the chunk walk's slices into the GEMMs?)
 # Everything lands in $OUT/results.tgz. Run from the repo root on the device.
@@ -54,11 +57,16 @@ fi
 if [[ $STAGES == *,walk,* ]]; then
   TAILN=30 stage walk10 320 python3 -m benchmarks.experiments.probe_kernel --groups walk10 --budget_s 280 --out "$OUT/probe_walk10.jsonl"
 fi
+if [[ $STAGES == *,shards,* ]]; then
+  TAILN=12 stage shards13 150 python3 -m benchmarks.experiments.probe_kernel --groups shards13 --budget_s 120 --out "$OUT/probe_shards13.jsonl"
+fi
 if [[ $STAGES == *,mid,* ]]; then
   TAILN=30 stage mid12 240 python3 -m benchmarks.experiments.probe_kernel --groups mid12 --budget_s 220 --out "$OUT/probe_mid12.jsonl"
 fi
 if [[ $STAGES == *,overhead,* ]]; then
   TAILN=14 stage call_overhead 120 python3 -m benchmarks.experiments.call_overhead --m 1,64 --out "$OUT/call_overhead.jsonl"
+fi
+if [[ $STAGES == *,overhead,* || $STAGES == *,overhead_bwd,* ]]; then
   TAILN=4 stage call_overhead_bwd 120 python3 -m benchmarks.experiments.call_overhead --mode fwd_bwd --m 4096 --lanes trainer,gemm_remat --samples 5 --out "$OUT/call_overhead.jsonl"
 fi
 if [[ $STAGES == *,dsf,* ]]; then
