@@ -122,7 +122,7 @@ FROZEN_CONSTANTS: tuple[str, ...] = (
 BIT_NEUTRAL_KNOBS: frozenset[str] = frozenset(
     {
         "row_block",  # reference: rows per lax.map block
-        "bucket",  # pallas_sm90: force a launch bucket ("decode", "small", "prefill")
+        "bucket",  # pallas_sm90: force a launch bucket ("decode", "small", "mid", "prefill")
         "num_ctas",  # pallas_sm90: persistent CTA count
     }
 )

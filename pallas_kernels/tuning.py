@@ -371,6 +371,23 @@ BUCKETS: dict[str, ForwardConfig] = {
         epilogue_slices=8,
         handoff="swizzled",
     ),
+    # The prefill kernel with work items in groups of 2 splits (a bit-neutral work order: the
+    # same bytes, the probe's bits column) for 256 < M <= 2048, where fewer row blocks share
+    # the weight stream (H200, kernel alone, split_group 2 vs 4: M = 384 0.755 vs 0.770 ms,
+    # 512 0.986 vs 1.005, 768 1.399 vs 1.467, 1024 1.913 vs 1.920, 2048 3.714 vs 3.861; 4096
+    # 7.741 vs 7.701, so prefill keeps 4 there; benchmarks/results/h200_2026-12-02c/
+    # call2_probe_mid12.log).
+    "mid": WsForwardConfig(
+        "mid",
+        block_m=64,
+        num_compute_wgs=2,
+        max_concurrent_steps=3,
+        ctas_per_sm=1,
+        split_group=2,
+        epilogue_wgs=1,
+        epilogue_slices=8,
+        handoff="swizzled",
+    ),
 }
 
 # The fold's and the dz kernel's shipped configs; the gradient GEMMs' (dh: FP32
@@ -418,9 +435,10 @@ def pipeline_stages(cfg: ForwardConfig, tiles_per_group: int, tile_k: int = 64, 
 # Upper bounds (inclusive) of M per bucket, in order. "small" ends at 256: above it the
 # prefill kernel is faster (H200, kernel alone, benchmarks/results/h200_2026-12-01c/
 # call3_probe_small7_residual7.log: M = 256 small 0.536 / prefill 0.555 ms, M = 512 1.036 / 1.002 ms,
-# M = 1024 1.907 / 1.870 ms). Which bucket serves changes no byte (every bucket gives the
-# same bytes: tests/gpu/test_pallas_gpu.py, the ladder's B stage).
-BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (256, "small"), (1 << 62, "prefill"))
+# M = 1024 1.907 / 1.870 ms); "mid" (the prefill kernel in groups of 2 splits) to 2048 (see
+# BUCKETS). Which bucket serves changes no byte (every bucket gives the same bytes:
+# tests/gpu/test_pallas_gpu.py, the ladder's B stage).
+BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (256, "small"), (2048, "mid"), (1 << 62, "prefill"))
 
 
 def select_bucket(n_rows: int, bucket: "str | ForwardConfig | None" = None) -> ForwardConfig:

@@ -236,8 +236,9 @@ def test_buckets():
     assert tuning.select_bucket(64).name == "decode"
     assert tuning.select_bucket(65).name == "small"
     assert tuning.select_bucket(256).name == "small"
-    assert tuning.select_bucket(257).name == "prefill"
-    assert tuning.select_bucket(512).name == "prefill"
+    assert tuning.select_bucket(257).name == "mid"
+    assert tuning.select_bucket(2048).name == "mid"
+    assert tuning.select_bucket(2049).name == "prefill"
     assert tuning.select_bucket(4096).name == "prefill"
     assert tuning.select_bucket(7, "prefill").name == "prefill"
     with pytest.raises(ValueError):
@@ -290,11 +291,26 @@ def test_shipped_configs_are_pinned():
             cluster=1,
             handoff="swizzled",
         ),
+        "mid": tuning.WsForwardConfig(
+            "mid",
+            block_m=64,
+            num_compute_wgs=2,
+            max_concurrent_steps=3,
+            ctas_per_sm=1,
+            split_group=2,
+            epilogue_wgs=1,
+            mma_registers=0,
+            epilogue_slices=8,
+            tile_k=64,
+            auto_barriers=False,
+            cluster=1,
+            handoff="swizzled",
+        ),
     }
     assert tuning.FOLD == tuning.FoldConfig(staged=True, rows=32, chunk=64, unroll=None)
     assert tuning.DZ == tuning.DzConfig(block_m=64, num_compute_wgs=2, block_n=256, max_concurrent_steps=4, col_group=4)
     assert tuning.DZ.rows_per_cta == 128
-    assert [upper for upper, _ in tuning.BUCKET_TABLE[:2]] == [64, 256]
+    assert tuning.BUCKET_TABLE == ((64, "decode"), (256, "small"), (2048, "mid"), (1 << 62, "prefill"))
 
 
 @pytest.mark.parametrize("name", sorted(tuning.BUCKETS))
