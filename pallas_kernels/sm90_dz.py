@@ -85,12 +85,10 @@ def build(
     row_l = common.row_layout()
     col_l = common.col_layout()
     stages = min(cfg.max_concurrent_steps, k_iters)
-    delay = cfg.delay_release if stages > cfg.delay_release else 0  # a one-stage pipeline has no delay
-    spec = functools.partial(plgpu.BlockSpec, transforms=transforms, **({"delay_release": delay} if delay else {}))
     if dv:  # [K, N] blocks of the [D, chunk] slice, read by wgmma as B directly
-        w_spec = spec((TILE_K, block_n), lambda k: (k, 0))
+        w_spec = plgpu.BlockSpec((TILE_K, block_n), lambda k: (k, 0), transforms=transforms)
     else:  # [N, K] blocks of the [chunk, D] slice, read through .T
-        w_spec = spec((block_n, TILE_K), lambda k: (0, k))
+        w_spec = plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms)
 
     cast = functools.partial(interpret_utils.cast, interpret=interpret)
     load = functools.partial(interpret_utils.load, interpret=interpret)
@@ -120,7 +118,7 @@ def build(
                 grid=(k_iters,),
                 memory_registers=40,
                 in_specs=[
-                    spec((cta_rows, TILE_K), lambda k: (0, k)),
+                    plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms),
                     w_spec,
                 ],
                 wg_axis="wg",
@@ -163,8 +161,6 @@ def build(
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, block_n), F32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        if delay and not interpret:
-                            plgpu.wgmma_wait(0)  # the last K step's wgmma is still in flight
                         z_all = acc_ref[...]
                         col_iota = cast(lax.broadcasted_iota(jnp.int32, (bm, TILE), 1), plgpu.Layout.WGMMA)
                         bc = lambda v: jnp.broadcast_to(v[:, None], (bm, TILE))
@@ -191,7 +187,7 @@ def build(
 
                 def mma_body(idxs, h_smem, w_smem, acc_ref):
                     plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem if dv else w_smem.T)
-                    plgpu.wgmma_wait(delay)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(
@@ -227,7 +223,6 @@ def build(
         "has_entropy",
         "weight_layout",
         "in_place",
-        "cfg",
     ),
 )
 def _dz_core(*args, **static):
@@ -250,8 +245,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **opt
     lo, hi: traced int32 column bounds (relative) of the columns that get a
     gradient. options (keywords, all optional): c3, h: [n_pad] f32, both or neither: the
     entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
-    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas, cfg (a
-    `tuning.DzConfig` with the shipped tile; bit-neutral fields only; default `tuning.DZ`).
+    weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas.
     """
     chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
@@ -283,16 +277,11 @@ def _launch(
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
-    cfg: tuning.DzConfig | None = None,
 ):
     if (c3 is None) != (h is None):
         raise ValueError("the entropy term needs both c3 and h")
-    cfg = tuning.DZ if cfg is None else cfg
-    if not isinstance(cfg, tuning.DzConfig) or (cfg.rows_per_cta, cfg.block_n) != (ROWS_PER_CTA, tuning.DZ.block_n):
-        # callers pad rows and choose chunks for the shipped tile (`ROWS_PER_CTA`, `chunk_supported`)
-        raise ValueError(f"sm90_dz takes a tuning.DzConfig with the shipped tile ({tuning.DZ}), got {cfg!r}")
     n_pad, d = hidden_p.shape
-    work = (n_pad // ROWS_PER_CTA) * (chunk // cfg.block_n)
+    work = (n_pad // ROWS_PER_CTA) * (chunk // tuning.DZ.block_n)
     if num_ctas is None:
         num_ctas = 2 if interpret else tuning.default_num_sms()
     num_ctas = max(1, min(int(num_ctas), work))
@@ -311,5 +300,4 @@ def _launch(
         has_entropy=c3 is not None,
         weight_layout=weight_layout,
         in_place=in_place,
-        cfg=cfg,
     )

@@ -118,7 +118,6 @@ def _build(
     # The shared operand of a cluster's two tiles is multicast (each CTA loads half of each block).
     share = {"a": ("cluster",) if cfg.cluster == "n" else None, "b": ("cluster",) if cfg.cluster == "m" else None}
     stages = min(cfg.max_concurrent_steps, k_iters)
-    delay = cfg.delay_release if stages > cfg.delay_release else 0  # a one-stage pipeline has no delay
     tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     out_bytes = jnp.dtype(out_dtype).itemsize
     boxes = (wm // EPI) * (wn // EPI)  # output boxes of one warpgroup's tile
@@ -129,7 +128,7 @@ def _build(
             f"sm90_grad_gemm: {stages} stages and {slots} output slots need {smem} B of shared memory ({cfg})"
         )
     out_tr = (plgpu.TilingTransform((8, SWIZZLE // out_bytes)), plgpu.SwizzleTransform(SWIZZLE))
-    spec = functools.partial(plgpu.BlockSpec, transforms=tr, **({"delay_release": delay} if delay else {}))
+    spec = functools.partial(plgpu.BlockSpec, transforms=tr)
     a_spec = (
         spec((TILE_K, tm), lambda kk: (kk, 0), collective_axes=share["a"])
         if a_t
@@ -201,8 +200,6 @@ def _build(
                         if accumulate and not interpret:
                             acc_ref[...] = load(out_gmem.at[o_rows, o_cols], plgpu.Layout.WGMMA)
                         eval_pipeline(acc_ref)
-                        if delay and not interpret:
-                            plgpu.wgmma_wait(0)  # the last K step's wgmma is still in flight
                         acc = acc_ref[...]
                         if accumulate and interpret:  # the interpreter's accumulator takes no store
                             acc = out_gmem.at[o_rows, o_cols][...] + acc
@@ -228,7 +225,7 @@ def _build(
                         a = a_smem.T if a_t else a_smem
                         b = b_smem.at[pl.ds(wg * wn, wn)].T if b_t else b_smem.at[:, pl.ds(wg * wn, wn)]
                     plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(delay)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(a_window(m0), b_window(n0), allocations=pipeline_allocs)

@@ -220,13 +220,9 @@ class DzConfig:
     block_n: int = 256  # columns per work item (wgmma N); chunks must be a multiple of it
     max_concurrent_steps: int = 4  # pipeline depth
     col_group: int = 4  # work order: column blocks in groups of this, row blocks fastest inside
-    # 0 (shipped): each K step's wgmma is waited out before its slot is released; 1: one wgmma
-    # group in flight (as GradGemmConfig.delay_release; not timed yet: probe group walk10).
-    delay_release: int = 0
 
     def __post_init__(self):
         _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
-        _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
         _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
         _require(self.block_n in (64, 128, 192, 256), self, f"block_n must be 64, 128, 192 or 256, got {self.block_n}")
         _require_int(self, "max_concurrent_steps", 1)
@@ -294,17 +290,16 @@ class GradGemmConfig:
     # 2 (shipped) alternate, and the tile's stores are waited out before the next tile; a whole
     # tile's worth (4 at [64, 256] per warpgroup) lets them drain under the next tile's K walk
     # (fits next to 3 stages with a bf16 output; H200, walk10: no faster, twelfth session).
+    # (One wgmma group in flight per consumer warpgroup, `wgmma_wait(1)` with the slot released a
+    # step later, was built here and in DzConfig in the twelfth session and timed in the
+    # thirteenth: no faster, and the dh GEMM's bytes moved on the H200, 26 / 203 rows at M =
+    # 4096 / 16384 in cluster "m", so it was taken out; benchmarks/results/h200_2026-12-02c/
+    # call1_probe_walk10.log.)
     out_slots: int = 2
-    # 0 (shipped): each K step's wgmma is waited out before its pipeline slot is released. 1: one
-    # wgmma group stays in flight (`wgmma_wait(1)`; the slot is released one step later), so the
-    # next step's wgmma is issued while the previous one runs; each element's sum is the same
-    # sequence of wgmmas (not timed yet: probe group walk10).
-    delay_release: int = 0
 
     def __post_init__(self):
         _require(self.wg_split in ("m", "n"), self, f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
         _require_int(self, "out_slots", 2)
-        _require(self.delay_release in (0, 1), self, f"delay_release must be 0 or 1, got {self.delay_release}")
         _require(self.cluster in (None, "m", "n"), self, f"cluster must be None, 'm' or 'n', got {self.cluster!r}")
         wm, wn = self.wg_tile
         _require(

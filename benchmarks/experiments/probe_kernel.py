@@ -588,9 +588,8 @@ def main(argv):
         # shipped since. The fifth (h200_2026-12-02b/call1_probe_walk10.log): the exact last chunk
         # 23.47 / 92.86 vs clamped 23.83 / 95.50, chunk 16384 23.04 / 91.63 (shipped since), dW
         # out_slots 4 no faster. Now: the shipped walk (cluster "m", chunk 16384, last chunk exact)
-        # against no cluster, one wgmma in flight (delay_release 1), the last chunk clamped as
-        # before; then tensor-parallel shards whose last chunk the kernels do not tile (rounded up
-        # vs clamped).
+        # against no cluster and the last chunk clamped as before; then tensor-parallel shards
+        # whose last chunk the kernels do not tile (rounded up vs clamped).
         from pallas_kernels import sm90_grad_gemm
 
         def with_gemms(dh_cfg=tuning.DH_GEMM, dw_cfg=tuning.DW_GEMM):
@@ -609,22 +608,10 @@ def main(argv):
         # (the column-adjacent cluster pair and dW's whole tile of staging boxes, slower or no
         # faster in the fourth and fifth runs, are left out)
         variants += [("in_place cluster None", with_cluster(None), shipped)]
-        # One wgmma group in flight per consumer warpgroup (the next K step's wgmma issued before
-        # the last is waited out; twelfth session, not timed before): both GEMMs, the dz kernel
-        # alone, all three.
-        dh_delay = dataclasses.replace(tuning.DH_GEMM, delay_release=1)
-        dw_delay = dataclasses.replace(tuning.DW_GEMM, delay_release=1)
-        variants += [("in_place GEMMs delay 1", with_gemms(dh_delay, dw_delay), shipped)]
-        # ... and in the dz kernel, alone and with both GEMMs
-        from pallas_kernels import sm90_dz
-
-        dz_delay = functools.partial(sm90_dz.dz_in_place, cfg=dataclasses.replace(tuning.DZ, delay_release=1))
-
-        def with_dz(e):
-            return dataclasses.replace(e, in_place=dataclasses.replace(e.in_place, dz=dz_delay))
-
-        variants += [("in_place dz delay 1", with_dz(entry), shipped)]
-        variants += [("in_place all delay 1", with_dz(with_gemms(dh_delay, dw_delay)), shipped)]
+        # (One wgmma group in flight per consumer warpgroup, delay_release 1 in both GEMMs, the dz
+        # kernel, all three, timed in the sixth run, h200_2026-12-02c/call1_probe_walk10.log: the
+        # GEMMs 22.82 / 90.98 ms vs 23.14 / 90.64 with dh bytes moved in 26 / 203 rows, the dz
+        # kernel 23.36 / 90.85 with 0 rows; the knobs were taken out.)
         # (The chunk: 16384 shipped since the twelfth session, once the last chunk was exact; 8192
         # and 12288 were slower in its run, h200_2026-12-02b/call1_probe_walk10.log, and are left
         # out now.)

@@ -16,7 +16,7 @@
 #   trace     benchmarks.experiments.trace_calls --mode fwd_bwd --m 4096: where the time goes
 #   walk      benchmarks.experiments.probe_kernel --groups walk10: the backward alone with the
 #             shipped in-place chunk walk vs the slice walk and variants (the gradient GEMMs
-#             without clusters and with one wgmma in flight (delay_release), the last chunk clamped;
+#             without clusters, the last chunk clamped;
 #             M = 4096, 16384; rows whose dh / dW bytes differ; [D, V] at 4096; TP=4 / 8 shards
 #             with the last chunk rounded up vs clamped)
 #   shards    benchmarks.experiments.probe_kernel --groups shards13: walk10's TP = 4 / 8 shards only
