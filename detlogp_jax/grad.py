@@ -491,9 +491,9 @@ def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: str) -> int:
     shortest L in [r, chunk] the walk's kernels take, trying r itself and then r rounded up to
     a multiple of 2, 4, ..., else the whole chunk (0 when chunk divides v_rows). A function of
     the head's shape and the backend only; bit-neutral (the recomputed columns add zero
-    products to dh and write no dW row). At the Qwen3-8B head r = 4608 is taken as it is; a
-    tensor-parallel shard of 38016 rows (TP=4) walks 2 x 16384 and 5376 (128 columns
-    recomputed) instead of a clamped 16384 (11136)."""
+    products to dh; dW rows written for them are overwritten by the last full chunk). At the
+    Qwen3-8B head r = 4608 is taken as it is; a tensor-parallel shard of 38016 rows (TP=4)
+    walks 2 x 16384 and 5376 (128 columns recomputed) instead of a clamped 16384 (11136)."""
     v_rows = weight.shape[0 if weight_layout == "vd" else 1]
     tail = v_rows % chunk
     if not tail:
