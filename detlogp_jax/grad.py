@@ -122,6 +122,24 @@ def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: str) -> bool:
     return walk.supports(dz.row_multiple, hidden.shape[1], v_rows, chunk, weight_layout)
 
 
+def _in_place_chunk(dz, hidden, weight, weight_layout: str) -> int:
+    """The chunk of the in-place walk where the fused path can take it, else 0: `IN_PLACE_CHUNK`,
+    or for a head shorter than that which the kernels do not take whole, its rows rounded down
+    to the longest chunk they take (then one chunk and a last chunk of the rest: a TP=8 shard of
+    the Llama-3 head padded to 128512, 16064 rows, walks 15872 + 192 (as 256) instead of XLA's
+    GEMMs on slices). Shapes only."""
+    v_rows = weight.shape[0 if weight_layout == "vd" else 1]
+    if _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout):
+        return IN_PLACE_CHUNK
+    if v_rows >= IN_PLACE_CHUNK:
+        return 0
+    for k in range(6, v_rows.bit_length()):  # rounded down to 64, 128, ...: the longest first
+        c = (v_rows >> k) << k
+        if c and c < v_rows and _in_place_ok(dz, hidden, weight, c, weight_layout):
+            return c
+    return 0
+
+
 def backward(
     hidden,
     weight,
@@ -145,8 +163,9 @@ def backward(
 ):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
-    chunk: the vocab chunk length; None (the default) picks `IN_PLACE_CHUNK` when
-    the fused path would walk with the backend's in-place kernels, else `DEFAULT_CHUNK`.
+    chunk: the vocab chunk length; None (the default) picks `IN_PLACE_CHUNK` (or for a short
+    head the longest chunk they take: `_in_place_chunk`) when the fused path would walk with the
+    backend's in-place kernels, else `DEFAULT_CHUNK`.
     dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
     (used only without a logits cotangent, without `row_sums`, when it supports the
     operands and the chunk length, and, with an entropy cotangent, when it declares
@@ -179,8 +198,9 @@ def backward(
         and weight_layout in dz.layouts
     )
     if chunk is None:  # the walk picks the chunk (checked once: in_place below says the same)
-        in_place = fusable and _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout)
-        chunk = IN_PLACE_CHUNK if in_place else DEFAULT_CHUNK
+        walk_chunk = _in_place_chunk(dz, hidden, weight, weight_layout) if fusable else 0
+        in_place = walk_chunk > 0
+        chunk = walk_chunk if in_place else DEFAULT_CHUNK
     else:
         in_place = fusable and _in_place_ok(dz, hidden, weight, chunk, weight_layout)
     chunk = _chunking(v_rows, chunk)
