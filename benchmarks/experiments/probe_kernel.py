@@ -699,6 +699,25 @@ def main(argv):
             for what, a, b in zip(("dh", "dW"), outs["rounded last chunk"], outs["clamped last chunk"]):
                 rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
                 print(f"walk10 TP={tp} shard {what}: rounded vs clamped last chunk: rows differing {rows}")
+        # A shard shorter than one chunk that the kernels do not take whole: TP=8 of the Llama-3
+        # head padded to 128512 (16064 rows; here the first 16064 rows of the Qwen3-8B weight):
+        # the in-place walk on 15872 + 192 (walked as 256; thirteenth session, grad._in_place_chunk)
+        # vs the slice walk it took before; the relative gradient difference (another summation
+        # order: not bytes).
+        rows_l = 16064
+        shard_sets = [(h, w[:rows_l], jnp.clip(t, 0, rows_l - 1)) for h, w, t in arg_sets[:1]]
+        outs = {}
+        for name, dzk in (("in_place rounded-down chunk", entry), ("slices", slices)):
+            f = jax.jit(
+                lambda h, w, t, dzk=dzk: grad.backward(
+                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=rows_l, dz=dzk
+                )
+            )
+            p.generic("walk10", f"backward Llama-3 TP=8 shard ({rows_l} rows) {name}", 4096, f, shard_sets, calls=2)
+            outs[name] = [np.asarray(x, np.float32) for x in f(*shard_sets[0])[:2]]
+        for what, a, b in zip(("dh", "dW"), outs["in_place rounded-down chunk"], outs["slices"]):
+            rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+            print(f"walk10 Llama-3 TP=8 shard {what}: in place vs slices: rel. Frobenius {rel:.3e}")
 
     if "backward" in groups:
         m = 4096
