@@ -20,8 +20,8 @@
 #             M = 4096, 16384; rows whose dh / dW bytes differ; [D, V] at 4096; TP=4 / 8 shards
 #             with the last chunk rounded up vs clamped)
 #   shards    benchmarks.experiments.probe_kernel --groups shards13: walk10's TP = 4 / 8 shards only
-#             (and a TP=8 shard of the padded Llama-3 head, 16064 rows: in place vs slices)
-#             (their last chunk's dW block written before the full chunks; rounded vs clamped)
+#             (their last chunk's dW block written before the full chunks; rounded vs clamped),
+#             and a TP=8 shard of the padded Llama-3 head (16064 rows): in place vs slices
 #   mid       benchmarks.experiments.probe_kernel --groups mid12: the prefill kernel's work order
 #             (split_group 0 / 2 / 4 / 8) at M = 384 .. 4096 next to the GEMM alone (a fourth bucket?)
 #   overhead  benchmarks.experiments.call_overhead --m 1,64: the decode call's enqueue time, latency and
