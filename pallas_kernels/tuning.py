@@ -368,8 +368,8 @@ BUCKETS: dict[str, ForwardConfig] = {
     ),
 }
 # The prefill kernel with work items in groups of 2 splits (a bit-neutral work order: the same
-# bytes, the probe's bits column) for 256 < M <= 2048, where fewer row blocks share the weight
-# stream (H200, kernel alone, split_group 2 vs 4: M = 384 0.755 vs 0.770 ms, 512 0.986 vs 1.005,
+# bytes, the probe's bits column) for 256 < M <= 2048, where it was faster (H200, kernel alone,
+# split_group 2 vs 4: M = 384 0.755 vs 0.770 ms, 512 0.986 vs 1.005,
 # 768 1.399 vs 1.467, 1024 1.913 vs 1.920, 2048 3.714 vs 3.861; 4096 7.741 vs 7.701, so prefill
 # keeps 4 there; benchmarks/results/h200_2026-12-02c/call2_probe_mid12.log).
 BUCKETS["mid"] = dataclasses.replace(BUCKETS["prefill"], name="mid", split_group=2)
