@@ -64,19 +64,27 @@ def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
         assert_bitwise_equal(np.asarray(g, np.float32), np.asarray(g2, np.float32))
 
 
-@pytest.mark.parametrize("walk", ["in_place", "slices"])
+@pytest.mark.parametrize(
+    "walk,v_pad",
+    [("in_place", 33792), ("slices", 33792), ("in_place", 33600)],
+    ids=["in_place", "slices", "in_place-tail832"],
+)
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
-def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout, walk):
+def test_fused_dz_equals_xla_formed_dz_within_bf16(entropy, layout, walk, v_pad):
     """grad.backward on the fused dz kernel (both weight layouts, with and without the entropy
     term) == the XLA-formed dz path within bf16, with both chunk walks: the in-place one
     (`backends.InPlaceWalk`: dz and dh read the weight at the chunk's offset, dW written at
     it, sm90_grad_gemm) and the slice walk (XLA's GEMMs on weight-chunk copies); the kernel
     path ran (a spy); two runs give identical bytes; padding rows get no gradient. The
-    vocabulary ends in a partial chunk (8 x 4096 + 1024 rows)."""
+    vocabulary ends in a partial chunk (2 x 16384 + 1024 rows in place, 8 x 4096 + 1024 on
+    slices; 33600 = 2 x 16384 + 832: a last chunk walked as 1024 whose new columns the dW
+    kernel does not tile at an offset, so its dW block is written before the full chunks, as
+    for the unpadded Qwen3 vocabulary 151936 = 9 x 16384 + 4480)."""
     import dataclasses
 
-    n, d, v_pad, vocab = 256, 512, 33792, 33700
+    n, d = 256, 512
+    vocab = v_pad - 92
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=3)
     inv_t = inputs.inv_temperature(jnp.asarray(temp), n)
     out = dl.linear_logp(
