@@ -673,6 +673,7 @@ def main(argv):
         for name, dzk, chunk in variants[:2] if "walk10" in groups else ():
             f = backward_fn(dzk, chunk, lse, ones, layout="dv")
             p.generic("walk10", f"backward dv {name}", 4096, f, dv_sets, calls=2)
+
         # A tensor-parallel shard's local head (TP = 4: 38016 rows = 2 x 16384 + 5248; TP = 8:
         # 19008 = 16384 + 2624): the last r columns do not tile by 256, so the walk's last chunk
         # is r rounded up (5376 / 2816: 128 / 192 columns recomputed; twelfth session) instead of a
@@ -681,21 +682,27 @@ def main(argv):
         # thirteenth session (h200_2026-12-02c/call1_probe_walk10.log: XLA's dynamic-slice fusion,
         # "DUS target must be a fusion parameter", on the XLA-formed rows of its last chunk);
         # since then the dW kernel writes them (grad._in_place_walk).
-        for tp in (4, 8):
-            rows_l = V_ROWS // tp
+        def shard_walks(label, rows_l, pair):
+            """Times the backward on the first rows_l weight rows with the two (name, dz kernel)
+            variants of `pair` at M = 4096; returns {name: [dh, dW]}."""
             shard_sets = [(h, w[:rows_l], jnp.clip(t, 0, rows_l - 1)) for h, w, t in arg_sets[:1]]
             outs = {}
-            for name, dzk in (
-                ("rounded last chunk", entry),
-                ("clamped last chunk", dataclasses.replace(entry, in_place=whole_only)),
-            ):
+            for name, dzk in pair:
                 f = jax.jit(
                     lambda h, w, t, dzk=dzk: grad.backward(
                         h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=rows_l, dz=dzk
                     )
                 )
-                p.generic("walk10", f"backward shard TP={tp} ({rows_l} rows) {name}", 4096, f, shard_sets, calls=2)
+                p.generic("walk10", f"backward {label} ({rows_l} rows) {name}", 4096, f, shard_sets, calls=2)
                 outs[name] = [np.asarray(x, np.float32) for x in f(*shard_sets[0])[:2]]
+            return outs
+
+        for tp in (4, 8):
+            pair = (
+                ("rounded last chunk", entry),
+                ("clamped last chunk", dataclasses.replace(entry, in_place=whole_only)),
+            )
+            outs = shard_walks(f"shard TP={tp}", V_ROWS // tp, pair)
             for what, a, b in zip(("dh", "dW"), outs["rounded last chunk"], outs["clamped last chunk"]):
                 rows = int(np.any(a.view(np.uint32) != b.view(np.uint32), axis=1).sum())
                 print(f"walk10 TP={tp} shard {what}: rounded vs clamped last chunk: rows differing {rows}")
@@ -704,17 +711,7 @@ def main(argv):
         # the in-place walk on 15872 + 192 (walked as 256; thirteenth session, grad._in_place_chunk)
         # vs the slice walk it took before; the relative gradient difference (another summation
         # order: not bytes).
-        rows_l = 16064
-        shard_sets = [(h, w[:rows_l], jnp.clip(t, 0, rows_l - 1)) for h, w, t in arg_sets[:1]]
-        outs = {}
-        for name, dzk in (("in_place rounded-down chunk", entry), ("slices", slices)):
-            f = jax.jit(
-                lambda h, w, t, dzk=dzk: grad.backward(
-                    h, w, None, t, ones, lse, ones, jnp.zeros_like(ones), None, vocab_size=rows_l, dz=dzk
-                )
-            )
-            p.generic("walk10", f"backward Llama-3 TP=8 shard ({rows_l} rows) {name}", 4096, f, shard_sets, calls=2)
-            outs[name] = [np.asarray(x, np.float32) for x in f(*shard_sets[0])[:2]]
+        outs = shard_walks("Llama-3 TP=8 shard", 16064, (("in_place rounded-down chunk", entry), ("slices", slices)))
         for what, a, b in zip(("dh", "dW"), outs["in_place rounded-down chunk"], outs["slices"]):
             rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
             print(f"walk10 Llama-3 TP=8 shard {what}: in place vs slices: rel. Frobenius {rel:.3e}")
