@@ -102,12 +102,20 @@ def row_block(cfg: tuning.FoldConfig = tuning.FOLD) -> int:
     return cfg.rows if cfg.staged else FOLD_ROWS
 
 
-def staged_fits(n_split: int, rows: int = tuning.FOLD.rows, entropy: bool = False) -> bool:
-    """Whether staged=True can hold n_split splits of `rows` rows in SMEM (m and S, and
-    with `entropy` the statistic A too)."""
+def staged_fits(n_split: int, rows: int = tuning.FOLD.rows, entropy: bool = False, zt_splits: bool = False) -> bool:
+    """Whether staged=True can hold n_split splits of `rows` rows in SMEM (m and S, with
+    `entropy` the statistic A too, and with `zt_splits` the target captures)."""
     g = 128 // rows
     k = -(-n_split // g)
-    return (3 if entropy else 2) * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
+    return (2 + int(entropy) + int(zt_splits)) * (k * g + g) * rows * 4 + 8 * 1024 <= SMEM_LIMIT
+
+
+def zt_from_splits(ztT):
+    """z_t [N] from the split-major target captures [n_split, N]: the bitwise OR of each
+    row's captures (at most one is not +0: the owning split's; +0 where none is), the
+    same bytes as selecting the owner's capture (`wrapper._launch`)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(ztT, F32), jnp.int32)
+    return lax.bitcast_convert_type(lax.reduce(bits, jnp.int32(0), lax.bitwise_or, (0,)), F32)
 
 
 def build(
@@ -119,8 +127,26 @@ def build(
     interpret_params=None,
     cfg: tuning.FoldConfig = tuning.FOLD,
     entropy: bool = False,
+    zt_splits: bool = False,
+    n_out: int | None = None,
 ):
     """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
+
+    zt_splits (static, staged only): the kernel takes the forward kernel's split-major
+    target captures ztT [n_split, n_pad] in place of z_t and forms each row's z_t itself
+    (`zt_from_splits`): no split but the one owning the row's target ever writes a capture
+    other than +0 (`sm90_forward_ws` / `sm90_forward_wgmma`: the capture starts at +0 and
+    only the tile holding the target replaces it), so z_t is the bitwise OR of the row's
+    n_split captures, exact and order-free (+0 where no split owns the target, as the
+    wrapper's select gives). Data movement only: the same z_t bytes reach the same
+    epilogue. False builds exactly the kernel without it.
+
+    n_out (static, staged only): the real rows, at most n_pad: targets / inv_t have n_out
+    entries and the outputs are [n_out]; the grid covers ceil(n_out / rows) row blocks of the
+    [n_split, n_pad] partials. Rows past n_out read targets / inv_t as 0 (TMA's fill) and
+    their results are not stored (TMA clips the store), so a decode call needs no padded
+    targets / inv_t and no output slices; every row's fold is its own, so the bytes of the
+    real rows are the same. None: n_out = n_pad, exactly the kernel without it.
 
     entropy (static): the kernel takes the entropy statistic aT [n_split, n_pad] after
     sT and returns (logp, lse, entropy): in pass 2 each split's rescaled term
@@ -153,7 +179,11 @@ def build(
             chunk=cfg.chunk,
             kw=kw,
             entropy=entropy,
+            zt_splits=zt_splits,
+            n_out=n_pad if n_out is None else n_out,
         )
+    if zt_splits or n_out not in (None, n_pad):
+        raise ValueError("zt_splits and n_out need the staged fold (fold_transposed pads / forms z_t otherwise)")
     return _build_rowloop(
         n_split=n_split,
         n_pad=n_pad,
@@ -186,14 +216,18 @@ def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size, acc_a=None):
     return logp, lse, jnp.where(h < 0, jnp.asarray(0.0, F32), h)
 
 
-def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw, entropy=False):
+def _build_staged(
+    *, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw, entropy=False, zt_splits=False, n_out=None
+):
     br = rows  # (rows and chunk are checked by tuning.FoldConfig)
     g_n = 128 // br  # split groups per row
     assert n_pad % br == 0, (n_pad, br)
+    n_out = n_pad if n_out is None else n_out
+    assert 1 <= n_out <= n_pad, (n_out, n_pad)
     # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
     # barriers per array: raise chunk to the smallest that needs <= 32.
     chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
-    if not staged_fits(n_split, br, entropy):
+    if not staged_fits(n_split, br, entropy, zt_splits):
         raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
     n_steps = -(-n_split // g_n)  # G splits per step
     smem_rows = n_steps * g_n + g_n  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
@@ -214,6 +248,9 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
     def kernel(*refs):
         # Inputs, outputs, scratch (`scratch` below); the entropy's refs only with `entropy`.
         a_ref = h_ref = a_s = o_h = bar_a = None
+        zt_s = bar_z = None
+        if zt_splits:  # the captures' SMEM copy and its barriers come last
+            refs, (zt_s, bar_z) = refs[:-2], refs[-2:]
         if entropy:
             (m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref, h_ref) = refs[:9]
             (m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in) = refs[9:]
@@ -227,7 +264,10 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
             return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
 
         # All copies are issued up front: row inputs (tiny), all of m, all of s.
-        for src, dst in ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in)):
+        row_inputs = (
+            ((tgt_ref, t_in), (invt_ref, i_in)) if zt_splits else ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in))
+        )
+        for src, dst in row_inputs:
             plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
         for c in range(n_chunks):
             plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
@@ -236,6 +276,9 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
         if entropy:
             for c in range(n_chunks):
                 plgpu.copy_gmem_to_smem(a_ref.at[chunk_splits(c), cols], a_s.at[chunk_splits(c)], bar_a.at[c])
+        if zt_splits:
+            for c in range(n_chunks):
+                plgpu.copy_gmem_to_smem(zt_ref.at[chunk_splits(c), cols], zt_s.at[chunk_splits(c)], bar_z.at[c])
 
         def over_chunks(bars, full_steps, last_step, carry):
             """Steps of G splits in ascending order, chunk by chunk (each after its
@@ -260,6 +303,31 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
                 if n_split % g_n:
                     carry = last_step(j0 + count * g_n, n_split % g_n, carry)
             return carry
+
+        def zt_or(zt_s, bar_z):
+            """The row's z_t: the OR of its captures' bits (`zt_from_splits`), each group over
+            its splits j = g, g + G, ... (a loop of [G, rows] views), then across the G groups
+            through x2 (free again: every thread passed the syncs after the max exchange)."""
+            for c in range(n_chunks):
+                plgpu.barrier_wait(bar_z.at[c])
+            bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+            n_whole = n_split // g_n
+
+            def step(u, acc):
+                return acc | bits(load(zt_s.at[pl.ds(u * g_n, g_n)]))
+
+            acc = lax.fori_loop(0, n_whole, step, cast(jnp.zeros(shape, jnp.int32)))
+            if n_split % g_n:  # the partial last step: groups past n_split hold no capture
+                group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
+                last = bits(load(zt_s.at[pl.ds(n_whole * g_n, g_n)]))
+                acc = acc | jnp.where(group < n_split % g_n, last, jnp.int32(0))
+            as_f32 = lax.bitcast_convert_type(acc, F32)
+            x2.at[pl.ds(0, g_n)][...] = as_f32
+            x2.at[pl.ds(g_n, g_n)][...] = as_f32
+            sync()
+            for d in range(1, g_n):
+                acc = acc | bits(load(x2.at[pl.ds(d, g_n)]))
+            return lax.bitcast_convert_type(acc, F32)
 
         # Pass 1: per group, the exact max over its splits (from -inf, which
         # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
@@ -328,10 +396,11 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
         if n_split - n_trips * unroll:
             acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
 
+        zt = zt_or(zt_s, bar_z) if zt_splits else load(z_in)
         if entropy:
-            logp, lse, h = _epilogue(acc[0], big_m, load(z_in), load(t_in), invt, ops, vocab_size, acc_a=acc[1])
+            logp, lse, h = _epilogue(acc[0], big_m, zt, load(t_in), invt, ops, vocab_size, acc_a=acc[1])
         else:
-            logp, lse = _epilogue(acc, big_m, load(z_in), load(t_in), invt, ops, vocab_size)
+            logp, lse = _epilogue(acc, big_m, zt, load(t_in), invt, ops, vocab_size)
         o_l[...] = logp
         o_s[...] = lse
         if entropy:
@@ -358,13 +427,15 @@ def _build_staged(*, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk,
         plgpu.Barrier(num_barriers=n_chunks),
         plgpu.Barrier(num_barriers=n_chunks),
         *ent(plgpu.Barrier(num_barriers=n_chunks)),  # A's chunks
-        plgpu.Barrier(num_arrivals=3),
+        plgpu.Barrier(num_arrivals=2 if zt_splits else 3),  # the row inputs
     )
+    if zt_splits:  # the captures [n_split rows, br] (rows past n_split: never read as captures)
+        scratch += (plgpu.SMEM((smem_rows, br), F32), plgpu.Barrier(num_barriers=n_chunks))
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((n_pad,), F32),) * (3 if entropy else 2),
+        out_type=(jax.ShapeDtypeStruct((n_out,), F32),) * (3 if entropy else 2),
         scratch_types=scratch,
-        grid=(n_pad // br,),
+        grid=(-(-n_out // br),),
         grid_names=("rows",),
         compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
         **kw,
@@ -638,7 +709,18 @@ def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw, entropy
 
 
 @functools.partial(
-    jax.jit, static_argnames=("n_split", "n_pad", "vocab_size", "interpret", "interpret_params", "cfg", "entropy")
+    jax.jit,
+    static_argnames=(
+        "n_split",
+        "n_pad",
+        "vocab_size",
+        "interpret",
+        "interpret_params",
+        "cfg",
+        "entropy",
+        "zt_splits",
+        "n_out",
+    ),
 )
 def _fold_core(*args, **static):
     """The fold launch, jitted on the padded row count (shared across N)."""
@@ -665,6 +747,8 @@ def fold_transposed(
     vocab_size: int,
     *,
     aT=None,
+    ztT=None,
+    n_rows: int | None = None,
     interpret: bool = False,
     interpret_params=None,
     cfg: tuning.FoldConfig | None = None,
@@ -673,23 +757,49 @@ def fold_transposed(
     """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]),
     and with the entropy statistic aT [n_split, N] (logp, lse, entropy [N]).
 
+    ztT: the forward kernel's split-major target captures [n_split, N] in place of z_t
+    (pass z_t=None): the staged kernel forms z_t from them itself (`build(zt_splits=True)`;
+    no XLA select before the fold), else XLA does (`zt_from_splits`); the same bytes.
+
+    n_rows: the real rows when the partials' last N - n_rows columns are padding rows (a
+    forward kernel's padded rows): targets / inv_t then have n_rows entries and the outputs
+    are [n_rows]. On the GPU the staged kernel reads and writes exactly those (`build(n_out=)`:
+    no padded targets / inv_t, no output slices); elsewhere they are padded and sliced.
+
     `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
     of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
     back to False where it cannot fit, which with aT is at fewer splits).
     """
     cfg = config(cfg, **knobs)
     n_split, n = mT.shape
+    rows = n if n_rows is None else int(n_rows)
+    if not 1 <= rows <= max(n, 1) or tuple(targets.shape) != (rows,) or tuple(inv_t.shape) != (rows,):
+        raise ValueError(
+            f"targets and inv_t must be [n_rows] with 1 <= n_rows <= {n} (got n_rows={n_rows}, "
+            f"{tuple(targets.shape)}, {tuple(inv_t.shape)})"
+        )
     entropy = aT is not None
     if entropy and tuple(aT.shape) != (n_split, n):
         raise ValueError(f"the entropy statistic must be [N, n_split] like m, got {aT.shape[::-1]} vs {(n, n_split)}")
-    if cfg.staged and not staged_fits(n_split, cfg.rows, entropy):
+    if (ztT is None) == (z_t is None):
+        raise ValueError("pass exactly one of z_t [N] and ztT [n_split, N]")
+    if ztT is not None and tuple(ztT.shape) != (n_split, n):
+        raise ValueError(f"the target captures must be [n_split, N] like mT, got {tuple(ztT.shape)} vs {(n_split, n)}")
+    in_kernel = ztT is not None and cfg.staged and staged_fits(n_split, cfg.rows, entropy, True)
+    if ztT is not None and not in_kernel:
+        z_t, ztT = zt_from_splits(ztT), None
+    if cfg.staged and not staged_fits(n_split, cfg.rows, entropy, in_kernel):
         cfg = dataclasses.replace(cfg, staged=False)
     br = row_block(cfg)
     n_pad = -(-max(n, 1) // br) * br
     pad = n_pad - n
+    # The kernel reads targets / inv_t of the real rows and writes only those (GPU: TMA's fill
+    # and clipped stores; the interpreter's slices are bounded, so it gets padded rows).
+    io_rows = cfg.staged and not interpret and rows < n and pad == 0
 
     def p(x, val):
-        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=val) if pad else x
+        short = n_pad - x.shape[-1]
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, short)], constant_values=val) if short else x
 
     # Padding rows: m = -inf, S = A = +0 (their outputs are dropped).
     parts = (p(mT.astype(F32), -jnp.inf), p(sT.astype(F32), 0.0))
@@ -697,9 +807,9 @@ def fold_transposed(
         parts += (p(jnp.asarray(aT).astype(F32), 0.0),)
     out = _fold_core(
         *parts,
-        p(z_t.astype(F32), 0.0),
-        p(targets.astype(jnp.int32), C.IGNORE_INDEX),
-        p(inv_t.astype(F32), 1.0),
+        p(jnp.asarray(ztT).astype(F32), 0.0) if in_kernel else p(jnp.asarray(z_t).astype(F32), 0.0),
+        targets.astype(jnp.int32) if io_rows else p(targets.astype(jnp.int32), C.IGNORE_INDEX),
+        inv_t.astype(F32) if io_rows else p(inv_t.astype(F32), 1.0),
         n_split=n_split,
         n_pad=n_pad,
         vocab_size=int(vocab_size),
@@ -707,8 +817,10 @@ def fold_transposed(
         interpret_params=interpret_params,
         cfg=cfg,
         entropy=entropy,
+        zt_splits=in_kernel,
+        **({"n_out": rows} if io_rows else {}),
     )
-    return tuple(x[:n] for x in out)
+    return out if io_rows else tuple(x[:rows] for x in out)
 
 
 def fold(

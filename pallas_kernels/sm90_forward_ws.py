@@ -117,8 +117,20 @@ def build(
     lg_rows: int | None = None,
     weight_layout: str = "vd",
     return_entropy: bool = False,
+    row_tma: bool = False,
 ):
     """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
+
+    row_tma (static): the epilogue warpgroups bring each work item's targets and inv_t rows
+    into shared memory by TMA (one small copy each, awaited on an mbarrier) instead of
+    loading them from global memory, so that hidden, targets and inv_t may have fewer rows
+    than n_pad: TMA fills the rows past an array with zeros (hidden rows 0, target 0,
+    inv_t 0), which only padding rows read and whose outputs are dropped (every row's
+    partials depend on its own row alone). The wrapper passes unpadded rows this way on the
+    GPU (`wrapper._launch(unpadded=True)`: no row-padding copies around a decode call);
+    interpret mode runs the same code on padded rows (its slices are bounded). The values
+    reaching the chain are the same, so the bytes are. False builds exactly the kernel
+    without it.
 
     weight_layout (static): "vd", the weight is [Vl, D] (the producer copies [64 w,
     tile_k] blocks into ring slots of that shape and wgmma reads `slot.T`); "dv", the
@@ -218,9 +230,15 @@ def build(
             dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
             dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
         )
+        if row_tma:  # each hand-off buffer's targets / inv_t rows; one barrier per epilogue warpgroup
+            scoped.update(
+                rows_t=plgpu.SMEM((n_mma, bm), jnp.int32),
+                rows_i=plgpu.SMEM((n_mma, bm), F32),
+                rows_bar=plgpu.Barrier(num_arrivals=2 * per_epi, num_barriers=n_epi),
+            )
 
         @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-        def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty):
+        def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty, rows_t=None, rows_i=None, rows_bar=None):
             wg = lax.axis_index("wg")
             cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
             n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
@@ -340,8 +358,19 @@ def build(
                     js, rb, t0, t1 = item(li)
                     limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
                     rows = [rb * cta_rows + b * bm for b in bufs]
-                    tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-                    invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+                    if row_tma:
+                        # Every thread has read the previous item's rows (a warpgroup barrier)
+                        # before TMA overwrites them; rows past the arrays arrive as zeros.
+                        plgpu.commit_smem()
+                        for b, r in zip(bufs, rows):
+                            plgpu.copy_gmem_to_smem(tgt_gmem.at[pl.ds(r, bm)], rows_t.at[b], rows_bar.at[ep])
+                            plgpu.copy_gmem_to_smem(invt_gmem.at[pl.ds(r, bm)], rows_i.at[b], rows_bar.at[ep])
+                        plgpu.barrier_wait(rows_bar.at[ep])
+                        tgts = [load(rows_t.at[b], row_l, interpret) for b in bufs]
+                        invts = [load(rows_i.at[b], row_l, interpret) for b in bufs]
+                    else:
+                        tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+                        invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
                     ops = ptx_ops.make_ops(interpret, common.layout_of, source=invts[0])
                     init = tuple(
                         (

@@ -45,6 +45,7 @@ _STATIC = (
     "lg_rows",
     "weight_layout",
     "return_entropy",
+    "row_tma",
 )
 
 
@@ -132,6 +133,7 @@ def _launch(
     interpret_params=None,
     weight_layout: str = "vd",
     return_entropy: bool = False,
+    unpadded: bool = False,
 ):
     """One forward launch for the local shard (`partials` and `forward` present its result).
 
@@ -176,6 +178,13 @@ def _launch(
         returned too (`partials`' sixth array, as `detlogp_jax.reference.partials`
         gives it); m, S, z_t and the logits are the same bytes either way. False
         launches exactly the kernels without the statistic.
+      unpadded: where the config is an epilogue-warpgroup kernel (`tuning.WsForwardConfig`)
+        and N is not a multiple of its rows, pass targets and inv_t with their N rows and hidden
+        with N rows (N < 8 or a multiple of 8; else rounded up to one: TMA tiles hidden in
+        8-row tiles) (`sm90_forward_ws.build(row_tma=True)`: TMA fills the missing rows with
+        zeros) instead of padded copies (interpret mode: padded rows, the same kernel). The
+        partials of the real rows are the same bytes; `targets_p` / `inv_t_p` are then the
+        N-row arrays.
 
     Returns:
       a `_Launched`: m, s (and A) split-major over the padded rows, z_t (the
@@ -215,11 +224,15 @@ def _launch(
         num_ctas = 2 if interpret else tuning.default_num_sms() * cfg.ctas_per_sm
     num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, int(num_ctas))
     local_tiles = -(-geom.shard_cols // TILE)
-    args = [_pad_rows(hidden, n_pad), weight]
+    row_tma = bool(unpadded) and isinstance(cfg, tuning.WsForwardConfig) and n < n_pad
+    rows_in = n if row_tma and not interpret else n_pad  # rows of targets / inv_t as passed
+    # TMA reads hidden in 8-row tiles: its row count must be < 8 or a multiple of 8 (Mosaic).
+    h_rows = rows_in if rows_in < 8 else -(-rows_in // 8) * 8
+    args = [_pad_rows(hidden, h_rows), weight]
     if bias is not None:
         width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE
         args.append(jnp.pad(bias, (0, width - bias.shape[0])))
-    targets_p, inv_t_p = _pad_rows(targets, n_pad, C.IGNORE_INDEX), _pad_rows(inv_t, n_pad, 1.0)
+    targets_p, inv_t_p = _pad_rows(targets, rows_in, C.IGNORE_INDEX), _pad_rows(inv_t, rows_in, 1.0)
     args += [targets_p, inv_t_p]
     # Logits rows: TMA clips rows past the array, but the array's row count
     # must be a multiple of 8 (or < 8) for the tiled store.
@@ -243,6 +256,7 @@ def _launch(
         lg_rows=lg_rows,
         weight_layout=weight_layout,
         return_entropy=bool(return_entropy),
+        **({"row_tma": True} if row_tma else {}),
     )
     m_t, s_t, zt_t = outs[:3]
     a_t = outs[3] if return_entropy else None
@@ -261,18 +275,20 @@ def _launch(
     # has a weight row here (targets >= vocab_size that do are captured too;
     # the fold turns them into NaN either way).
     # (Over the padded rows: a padding row's target is IGNORE_INDEX, never owned.)
-    owned = (targets_p >= geom.col_offset) & (targets_p < geom.col_offset + v_rows)
-    local_tile = jnp.clip((targets_p - geom.col_offset) // TILE, 0, local_tiles - 1)
+    tg = _pad_rows(targets_p, n_pad, C.IGNORE_INDEX)
+    owned = (tg >= geom.col_offset) & (tg < geom.col_offset + v_rows)
+    local_tile = jnp.clip((tg - geom.col_offset) // TILE, 0, local_tiles - 1)
     owner = jnp.asarray(tile_to_split)[local_tile]
     z_t = jnp.where(owned, zt_t[owner, jnp.arange(n_pad)], jnp.asarray(0.0, F32))
-    return _Launched(n, m_t, s_t, a_t, z_t, owned, logits, targets_p, inv_t_p)
+    return _Launched(n, m_t, s_t, a_t, z_t, owned, logits, targets_p, inv_t_p, zt_t)
 
 
 class _Launched(NamedTuple):
     """What one forward launch gives, before any re-layout: the partials split-major and
     over the kernel's padded rows (m, s, a [n_local, n_pad]; z_t, owned and the padded
-    targets / inv_t the kernel read [n_pad]; rows >= n are padding rows), and the logits
-    [n, want_cols] or None."""
+    targets / inv_t the kernel read [n_pad]; rows >= n are padding rows), the logits
+    [n, want_cols] or None, and the kernel's raw target captures zt_t [n_local, n_pad] (z_t
+    is their owner's entry; XLA computes z_t only where it is used)."""
 
     n: int
     m_t: jax.Array
@@ -283,6 +299,7 @@ class _Launched(NamedTuple):
     logits: jax.Array | None
     targets_p: jax.Array
     inv_t_p: jax.Array
+    zt_t: jax.Array
 
 
 def partials(hidden, weight, bias, targets, inv_t, **kw):
@@ -302,17 +319,25 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     kernels on the same rows), without the re-layout between them: the fold reads the
     forward's split-major partials over the forward's padded rows (the padding rows are
     folded too and dropped; every row's fold is independent of the others), so at decode
-    sizes no partials are transposed, sliced or padded again. Arguments: `_launch`'s;
+    sizes no partials are transposed, sliced or padded again; and it forms each row's z_t
+    from the forward's raw split captures itself (`sm90_fold.zt_from_splits`: the same
+    bytes as `_launch`'s owner select, without that XLA op). Arguments: `_launch`'s
+    (`unpadded` defaults to True here: on the GPU a call whose N the kernel's rows do not
+    divide passes hidden, targets and inv_t unpadded to both kernels and the fold writes
+    the [N] outputs itself, so a decode call has no row pads and no output slices);
     fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`)."""
+    kw.setdefault("unpadded", True)
     r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, **kw)
     out = sm90_fold.fold_transposed(
         r.m_t,
         r.s_t,
-        r.z_t,
+        None,
         r.targets_p,
         r.inv_t_p,
         vocab_size,
         aT=r.a_t,
+        ztT=r.zt_t,
+        n_rows=r.targets_p.shape[0],
         interpret=kw.get("interpret", False),
         interpret_params=kw.get("interpret_params"),
         cfg=fold_cfg,

@@ -60,3 +60,17 @@ def handoff_variant(bucket: str, handoff: str, slices: int):
     return dataclasses.replace(
         tuning.BUCKETS[bucket], name=f"{bucket}_{handoff}{slices}", handoff=handoff, epilogue_slices=slices
     )
+
+
+def split_captures(z_t, ns, seed):
+    """The forward kernel's split-major target captures for z_t [n] over ns splits: [ns, n]
+    f32, +0 everywhere but in one split per row (its owner, at a random split: the first and
+    the last split included), which holds z_t; rows whose z_t is +0 hold no capture other than
+    +0 either (an ignored / negative target). Also returns the owner of each row."""
+    rng = np.random.default_rng(seed)
+    n = z_t.shape[0]
+    owner = rng.integers(0, ns, n)
+    owner[:2] = [0, ns - 1]
+    zt = np.zeros((ns, n), np.float32)
+    zt[owner, np.arange(n)] = z_t
+    return zt, owner

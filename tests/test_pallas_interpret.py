@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import fold_problem, handoff_variant
+from tests.pallas_cases import fold_problem, handoff_variant, split_captures
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
@@ -153,6 +153,55 @@ def test_fold_split_counts_equal_oracle(n_split, knobs):
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     assert_bitwise_equal(np.asarray(logp), rl, "logp")
     assert_bitwise_equal(np.asarray(lse), rs, "lse")
+
+
+def _capture_edge_rows(z_t):
+    """fold_problem's z_t with the captures' edge values: -0 (its sign bit is the only set bit),
+    NaN, +0 (no capture differs from +0), the largest finite value and a subnormal."""
+    z_t = z_t.copy()
+    z_t[13], z_t[14], z_t[15], z_t[16], z_t[17] = -0.0, np.nan, 0.0, np.finfo(np.float32).max, -1e-40
+    return z_t
+
+
+@pytest.mark.parametrize("knobs", _FOLD_VARIANTS)
+@pytest.mark.parametrize("n_split", [1, 7, 264])
+def test_fold_forms_z_t_from_split_captures(n_split, knobs):
+    """fold_transposed(ztT=captures) (the staged kernel ORs each row's captures itself; the
+    row loop gets them ORed by XLA) == the fold given the owner's capture as z_t, byte for byte,
+    over 3 row blocks, with -0 / NaN / +0 / subnormal captures and owners at the first and last
+    split; and == oracle.fold."""
+    from pallas_kernels import sm90_fold
+
+    n, v = 70, 1000
+    m, s, z_t, t, inv_t = fold_problem(n, n_split, v, seed=n_split)
+    z_t = _capture_edge_rows(z_t)
+    ztT, owner = split_captures(z_t, n_split, seed=n_split)
+    assert_bitwise_equal(np.asarray(sm90_fold.zt_from_splits(ztT)), z_t, "zt_from_splits")
+    args = [jnp.asarray(x) for x in (m.T, s.T)]
+    got = sm90_fold.fold_transposed(
+        *args, None, jnp.asarray(t), jnp.asarray(inv_t), v, ztT=jnp.asarray(ztT), interpret=True, **knobs
+    )
+    want = sm90_fold.fold_transposed(
+        *args, jnp.asarray(z_t), jnp.asarray(t), jnp.asarray(inv_t), v, interpret=True, **knobs
+    )
+    rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
+    for g, w, r, name in zip(got, want, (rl, rs), ("logp", "lse")):
+        assert_bitwise_equal(np.asarray(g), np.asarray(w), name)
+        assert_bitwise_equal(np.asarray(g), r, f"{name} oracle")
+    assert np.isnan(np.asarray(got[0])[14]) and np.asarray(got[0])[15] <= 0
+
+
+def test_fold_refuses_both_or_neither_z_t_and_captures():
+    from pallas_kernels import sm90_fold
+
+    m = jnp.zeros((3, 4), jnp.float32)
+    t, it = jnp.zeros(4, jnp.int32), jnp.ones(4, jnp.float32)
+    with pytest.raises(ValueError, match="exactly one of z_t"):
+        sm90_fold.fold_transposed(m, m, jnp.zeros(4), t, it, 100, ztT=m, interpret=True)
+    with pytest.raises(ValueError, match="exactly one of z_t"):
+        sm90_fold.fold_transposed(m, m, None, t, it, 100, interpret=True)
+    with pytest.raises(ValueError, match="target captures must be"):
+        sm90_fold.fold_transposed(m, m, None, t, it, 100, ztT=m[:2], interpret=True)
 
 
 @pytest.mark.slow

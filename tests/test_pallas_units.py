@@ -654,6 +654,59 @@ def test_fold_lowers_for_cuda(n, n_split, knobs):
     jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("n,n_split,entropy", [(300, 264, False), (1, 264, False), (64, 264, True), (5, 9, False)])
+def test_fold_with_split_captures_lowers_for_cuda(n, n_split, entropy):
+    """The staged fold that ORs the forward's split captures into z_t itself
+    (`fold_transposed(ztT=...)`, `build(zt_splits=True)`) lowers for CUDA, with the entropy too
+    (four SMEM arrays at 264 splits)."""
+    from pallas_kernels import sm90_fold
+
+    assert sm90_fold.staged_fits(264, entropy=True, zt_splits=True)
+    a = jax.ShapeDtypeStruct((n_split, n), jnp.float32)
+    v = jax.ShapeDtypeStruct((n,), jnp.float32)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    def f(m, s, st, zt, tt, it):
+        return sm90_fold.fold_transposed(m, s, None, tt, it, 151936, aT=st if entropy else None, ztT=zt)
+
+    jax.jit(f).trace(a, a, a, a, t, v).lower(lowering_platforms=("cuda",))
+
+
+def _forward_ops(n, bucket=None, **kw):
+    """The StableHLO ops (by name) of pk.forward at the Qwen3-8B head, N = n, lowered for CUDA."""
+    import re
+
+    d, v, vp = 4096, 151936, 152064
+    args = [
+        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((vp, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    ]
+
+    def f(h, w, t, it):
+        out = pk.forward(h, w, None, t, it, vocab_size=v, padded_vocab_size=vp, bucket=bucket, **kw)
+        return out[0], out[1]
+
+    txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"\bstablehlo\.([a-z_]+)", txt)
+
+
+@pytest.mark.parametrize("n,bucket", [(1, None), (5, None), (296, None), (300, None), (72, "decode")])
+def test_forward_has_no_xla_glue_where_the_rows_do_not_fill_the_kernel(n, bucket):
+    """pk.forward on the GPU with N not a multiple of the kernel's rows (a decode call, a
+    296-row prefill chunk): the whole call is the two Mosaic kernels: no row pads of hidden /
+    targets / inv_t (the forward kernel's row_tma reads N rows), no XLA select of z_t (the fold
+    ORs the split captures), no output slices (the fold writes [N]); where N >= 8 is not a
+    multiple of 8 (300), hidden alone is padded to one (TMA's 8-row tiles). With unpadded=False
+    the pads and slices are back (the contrast that makes this test able to fail)."""
+    ops = [op for op in _forward_ops(n, bucket) if op not in ("constant", "convert")]  # (the pad's value)
+    want = ["pad", "custom_call", "custom_call"] if n >= 8 and n % 8 else ["custom_call", "custom_call"]
+    assert ops == want, ops
+    padded = _forward_ops(n, bucket, unpadded=False)
+    assert "pad" in padded and "slice" in padded, padded
+
+
 _ENTROPY_VARIANTS = [
     *sorted(tuning.BUCKETS),
     dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),

@@ -8,28 +8,32 @@
 #             medians and the interleaved-pairs ratio (entropy_paired_ratio); the bar is <= 1.02x
 #   fwd       the trainer forward next to xla and the GEMM alone at M = 1, 8, 64, 512 (bar <= 1.03x of
 #             the GEMM alone at M <= 64)
-#   trace     benchmarks.experiments.trace_calls at M = 1: pallas_sm90 (with and without the entropy)
-#             and the GEMM alone, per-kernel device time
-#   fused     (not in the default set) tests/gpu/test_pallas_gpu.py -k fused_forward: pk.forward ==
-#             partials + fold bytes at the Qwen3-8B head, M = 1, 65, 4096, every bucket, and linear_logp
-#             (~2 min per M; FUSED_K=M4096 selects one)
+#   overhead  (not in the default set) benchmarks.experiments.call_overhead --m 1,64: the trainer, the
+#             GEMM alone, the forward on pre-padded rows and the kernel alone, 10 and 100 calls per sync
+#   trace     benchmarks.experiments.trace_calls at M = 1: pallas_sm90 (with and without the entropy;
+#             TRACE_ENTROPY=0 leaves that one out) and the GEMM alone, per-kernel device time
 #   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
+#   unpadded  (not in the default set) tests/gpu/test_pallas_gpu.py -k unpadded_rows: pk.forward with N
+#             rows passed unpadded (TMA's zero fill, the fold writing [N]) == the padded launch, M = 3, 300
 #   probe     (not in the default set) benchmarks.experiments.probe_kernel --groups $PROBE_GROUPS
 #             (default decode7: decode kernel variants, pipeline depth, tile_k 32, two CTAs per SM,
 #             next to the GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's
 #             pieces at M = 4096; chunk7: the recompute backward's time and temp bytes per vocab chunk;
 #             handoff8: the shipped ws buckets (swizzled hand-off) vs the eight-slice layout, trainer and serving;
 #             pass1_8 is at 14e5aad)
+#   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
+#             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
+#             head, M = 1, 65, 4096, every bucket, and linear_logp (~2 min per M; FUSED_K=M4096 selects one)
 # Everything lands in $OUT/results.tgz (RESULTS_NAME). Run from the repo root on the device.
 set -u
 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 STAGES=",${DECODE_STAGES:-main,fold,entropy,fwd,trace},"
-if [[ $STAGES == *,fused,* ]]; then
-  TAILN=8 stage pytest_fused_forward ${FUSED_LIMIT_S:-400} python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward${FUSED_K:+ and $FUSED_K}"
-fi
 if [[ $STAGES == *,golden,* ]]; then
   TAILN=10 stage golden_packaged 150 python3 -m detlogp_jax.golden --backend pallas_sm90
+fi
+if [[ $STAGES == *,unpadded,* ]]; then
+  TAILN=8 stage pytest_unpadded 200 python3 -m pytest -v -x -rw tests/gpu/test_pallas_gpu.py -k unpadded_rows
 fi
 if [[ $STAGES == *,main,* ]]; then
   TAILN=25 stage main_job 180 bash scripts/run.sh --out_dir "$OUT/main_job"
@@ -43,13 +47,21 @@ fi
 if [[ $STAGES == *,fwd,* ]]; then
   TAILN=16 stage bench_fwd_small 150 python3 -m benchmarks.run --shape qwen3_8b --entry trainer --mode fwd --backends pallas_sm90,xla,gemm --ms 1,8,64,512 --warmup 3 --iters 15 --calls_per_sample 10 --max_seconds_per_case 6 --plot none --out "$OUT/fwd_small.json"
 fi
+if [[ $STAGES == *,overhead,* ]]; then
+  TAILN=14 stage call_overhead 120 python3 -m benchmarks.experiments.call_overhead --m 1,64 --out "$OUT/call_overhead.jsonl"
+fi
 if [[ $STAGES == *,trace,* ]]; then
   TRACE="python3 -m benchmarks.experiments.trace_calls --shape qwen3_8b --m 1 --calls 20"
   TAILN=16 stage trace_m1_pallas 60 $TRACE --backend pallas_sm90 --json "$OUT/trace_m1_pallas.json"
-  TAILN=16 stage trace_m1_pallas_entropy 60 $TRACE --backend pallas_sm90 --entropy --json "$OUT/trace_m1_pallas_entropy.json"
+  if [[ ${TRACE_ENTROPY:-1} == 1 ]]; then
+    TAILN=16 stage trace_m1_pallas_entropy 60 $TRACE --backend pallas_sm90 --entropy --json "$OUT/trace_m1_pallas_entropy.json"
+  fi
   TAILN=8 stage trace_m1_gemm 60 $TRACE --backend gemm --json "$OUT/trace_m1_gemm.json"
 fi
 if [[ $STAGES == *,probe,* ]]; then
   TAILN=40 stage "probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _)" ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _).jsonl"
+fi
+if [[ $STAGES == *,fused,* ]]; then
+  TAILN=8 stage pytest_fused_forward ${FUSED_LIMIT_S:-400} python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward${FUSED_K:+ and ($FUSED_K)}"
 fi
 finish

@@ -477,3 +477,32 @@ def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
             for k in ("logp", "lse", "entropy"):
                 got = _nan_canonical(np.asarray(getattr(out, k)))
                 assert_bitwise_equal(got, _nan_canonical(ref[k]), f"linear_logp {k} {lay} M={m}")
+
+
+@pytest.mark.parametrize("m", [3, 300], ids=lambda m: f"M{m}")
+def test_unpadded_rows_equal_padded_rows_at_the_qwen_shape(m):
+    """pk.forward with its N rows passed unpadded (the default: the forward kernel's row_tma reads
+    hidden / targets / inv_t of N rows through TMA, zero-filled past them; the fold reads N targets
+    and writes [N]) == the padded launch (unpadded=False) byte for byte: logp, lse, entropy and the
+    logits, with bias and per-row T, in the decode and mid buckets and the [D, V] layout; targets
+    at the vocab's first and last real column and at the last row."""
+    w, k_dv, b_full = _qwen_head()
+    rng = np.random.default_rng(700 + m)
+    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
+    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
+    t[0], t[-1] = 0, QWEN_VOCAB - 1
+    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
+    kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS, return_entropy=True, return_logits=True)
+    kw["logits_cols"] = QWEN_VOCAB
+    for bucket, weight, layout in (("decode", w, "vd"), ("mid", w, "vd"), ("decode", k_dv, "dv")):
+        outs = [
+            pk.forward(h, weight, b_full, tj, itj, bucket=bucket, weight_layout=layout, unpadded=u, **kw)
+            for u in (True, False)
+        ]
+        for i, name in ((0, "logp"), (1, "lse"), (3, "entropy")):
+            a, b = (_nan_canonical(np.asarray(o[i])) for o in outs)
+            assert a.shape == (m,), (name, a.shape)
+            assert_bitwise_equal(a, b, f"{name} M={m} {bucket} {layout}")
+        assert outs[0][2].shape == (m, QWEN_VOCAB)
+        assert _rows_differing_on_device(outs[0][2], outs[1][2]) == 0, f"logits M={m} {bucket} {layout}"
