@@ -180,9 +180,9 @@ def _launch(
         launches exactly the kernels without the statistic.
       unpadded: where the config is an epilogue-warpgroup kernel (`tuning.WsForwardConfig`)
         and N is not a multiple of its rows, pass targets and inv_t with their N rows and hidden
-        with N rows (N < 8 or a multiple of 8; else rounded up to one: TMA tiles hidden in
-        8-row tiles) (`sm90_forward_ws.build(row_tma=True)`: TMA fills the missing rows with
-        zeros) instead of padded copies (interpret mode: padded rows, the same kernel). The
+        with N rows rounded up to a multiple of 8 (TMA tiles hidden in 8-row tiles)
+        (`sm90_forward_ws.build(row_tma=True)`: TMA fills the missing rows with zeros) instead
+        of copies padded to the kernel's rows (interpret mode: padded rows, the same kernel). The
         partials of the real rows are the same bytes; `targets_p` / `inv_t_p` are then the
         N-row arrays.
 
@@ -226,8 +226,10 @@ def _launch(
     local_tiles = -(-geom.shard_cols // TILE)
     row_tma = bool(unpadded) and isinstance(cfg, tuning.WsForwardConfig) and n < n_pad
     rows_in = n if row_tma and not interpret else n_pad  # rows of targets / inv_t as passed
-    # TMA reads hidden in 8-row tiles: its row count must be < 8 or a multiple of 8 (Mosaic).
-    h_rows = rows_in if rows_in < 8 else -(-rows_in // 8) * 8
+    # TMA reads hidden in 8-row tiles: its row count a multiple of 8 (Mosaic refuses other
+    # counts >= 8; with fewer than 8 rows the H200 gave other bytes and a 15% slower kernel at
+    # M=1: benchmarks/results/h200_2026-12-02d/call2_*).
+    h_rows = -(-rows_in // 8) * 8
     args = [_pad_rows(hidden, h_rows), weight]
     if bias is not None:
         width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE

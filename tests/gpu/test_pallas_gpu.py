@@ -479,7 +479,7 @@ def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
                 assert_bitwise_equal(got, _nan_canonical(ref[k]), f"linear_logp {k} {lay} M={m}")
 
 
-@pytest.mark.parametrize("m", [3, 300], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("m", [1, 3, 300], ids=lambda m: f"M{m}")
 def test_unpadded_rows_equal_padded_rows_at_the_qwen_shape(m):
     """pk.forward with its N rows passed unpadded (the default: the forward kernel's row_tma reads
     hidden / targets / inv_t of N rows through TMA, zero-filled past them; the fold reads N targets
@@ -490,7 +490,7 @@ def test_unpadded_rows_equal_padded_rows_at_the_qwen_shape(m):
     rng = np.random.default_rng(700 + m)
     h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
     t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
-    t[0], t[-1] = 0, QWEN_VOCAB - 1
+    t[0], t[-1] = (0, QWEN_VOCAB - 1) if m > 1 else (QWEN_VOCAB - 1,) * 2
     temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
     tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
     kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS, return_entropy=True, return_logits=True)
