@@ -179,12 +179,11 @@ def _launch(
         gives it); m, S, z_t and the logits are the same bytes either way. False
         launches exactly the kernels without the statistic.
       unpadded: where the config is an epilogue-warpgroup kernel (`tuning.WsForwardConfig`)
-        and N is not a multiple of its rows, pass targets and inv_t with their N rows and hidden
-        with N rows rounded up to a multiple of 8 (TMA tiles hidden in 8-row tiles)
-        (`sm90_forward_ws.build(row_tma=True)`: TMA fills the missing rows with zeros) instead
-        of copies padded to the kernel's rows (interpret mode: padded rows, the same kernel). The
-        partials of the real rows are the same bytes; `targets_p` / `inv_t_p` are then the
-        N-row arrays.
+        and N is not a multiple of its rows, pass hidden, targets and inv_t with N rows rounded
+        up to a multiple of 8 (`sm90_forward_ws.build(row_tma=True)`: TMA fills the rows past
+        them with zeros) instead of copies padded to the kernel's rows (interpret mode: padded
+        rows, the same kernel). The partials of the real rows are the same bytes; `targets_p` /
+        `inv_t_p` are then those shorter arrays.
 
     Returns:
       a `_Launched`: m, s (and A) split-major over the padded rows, z_t (the
@@ -224,13 +223,13 @@ def _launch(
         num_ctas = 2 if interpret else tuning.default_num_sms() * cfg.ctas_per_sm
     num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, int(num_ctas))
     local_tiles = -(-geom.shard_cols // TILE)
-    row_tma = bool(unpadded) and isinstance(cfg, tuning.WsForwardConfig) and n < n_pad
-    rows_in = n if row_tma and not interpret else n_pad  # rows of targets / inv_t as passed
-    # TMA reads hidden in 8-row tiles: its row count a multiple of 8 (Mosaic refuses other
-    # counts >= 8; with fewer than 8 rows the H200 gave other bytes and a 15% slower kernel at
-    # M=1: benchmarks/results/h200_2026-12-02d/call2_*).
-    h_rows = -(-rows_in // 8) * 8
-    args = [_pad_rows(hidden, h_rows), weight]
+    # Rows of hidden / targets / inv_t as passed: N rounded up to a multiple of 8 (TMA reads
+    # hidden in 8-row tiles, and Mosaic refuses other counts >= 8; with 1 or 3 rows of hidden,
+    # targets and inv_t (4 / 12 bytes of a 1-D TMA operand) the H200 gave other bytes and a 13%
+    # slower kernel at M=1, with 8 they were right: benchmarks/results/h200_2026-12-02d/).
+    row_tma = bool(unpadded) and isinstance(cfg, tuning.WsForwardConfig) and -(-n // 8) * 8 < n_pad
+    rows_in = -(-n // 8) * 8 if row_tma and not interpret else n_pad
+    args = [_pad_rows(hidden, rows_in), weight]
     if bias is not None:
         width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE
         args.append(jnp.pad(bias, (0, width - bias.shape[0])))
@@ -325,8 +324,9 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     from the forward's raw split captures itself (`sm90_fold.zt_from_splits`: the same
     bytes as `_launch`'s owner select, without that XLA op). Arguments: `_launch`'s
     (`unpadded` defaults to True here: on the GPU a call whose N the kernel's rows do not
-    divide passes hidden, targets and inv_t unpadded to both kernels and the fold writes
-    the [N] outputs itself, so a decode call has no row pads and no output slices);
+    divide passes hidden, targets and inv_t with N rows rounded up to a multiple of 8 to both
+    kernels and the fold writes that many outputs itself, so a decode call of 8, 16, ... rows
+    has no row pads and no output slices, and one of 1 row pads to 8, not 64);
     fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`)."""
     kw.setdefault("unpadded", True)
     r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, **kw)
