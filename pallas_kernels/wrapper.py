@@ -323,12 +323,14 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     sizes no partials are transposed, sliced or padded again; and it forms each row's z_t
     from the forward's raw split captures itself (`sm90_fold.zt_from_splits`: the same
     bytes as `_launch`'s owner select, without that XLA op). Arguments: `_launch`'s
-    (`unpadded` defaults to True here: on the GPU a call whose N the kernel's rows do not
-    divide passes hidden, targets and inv_t with N rows rounded up to a multiple of 8 to both
-    kernels and the fold writes that many outputs itself, so a decode call of 8, 16, ... rows
-    has no row pads and no output slices, and one of 1 row pads to 8, not 64);
+    (`unpadded=True`: on the GPU a call whose N the kernel's rows do not divide passes
+    hidden, targets and inv_t with N rows rounded up to a multiple of 8 to both kernels and
+    the fold writes that many outputs itself: a decode call of 8, 16, ... rows has no row pads
+    and no output slices. The same bytes (H200), but off by default: at M=1 the forward kernel
+    took 316 us with it against 280 without (trace, benchmarks/results/h200_2026-12-02d/
+    call4_trace_m1_pallas.log), more than the pads and slices it removes; the cause was not
+    looked for);
     fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`)."""
-    kw.setdefault("unpadded", True)
     r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, **kw)
     out = sm90_fold.fold_transposed(
         r.m_t,
