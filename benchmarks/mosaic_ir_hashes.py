@@ -27,7 +27,9 @@ The base lines are the programs built before the statistic existed (a kernel bui
 without it must not change when it is added). Last (with "base") come the backward's
 in-place chunk walk kernels (`walk_hashes`: lines `backward dz in_place`, `backward dh
 gemm`, `backward dw gemm`), after every older line so that the older lines keep their places;
-`python -m benchmarks.mosaic_ir_hashes walk` prints those lines alone.
+`python -m benchmarks.mosaic_ir_hashes walk` prints those lines alone. After them (also with
+"base") the fourteenth session's fused-forward lines (`fused_hashes`: the fold forming z_t from
+the split captures, the unpadded-rows option's forward and fold); `... fused` prints them alone.
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ def _capture_modules():
     mosaic_core._run_serde_pass = run_serde_pass
 
 
-def _take() -> str:
+def _digest(module_text: str) -> str:
     # The dump file name counts the modules lowered so far in the process; drop it so a
     # hash does not depend on which variants were lowered before.
-    text = re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "", _captured.pop())
-    _captured.clear()
+    text = re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "", module_text)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _take() -> str:
+    """The hash of the module lowered last (the others captured since the last take are dropped)."""
+    digest = _digest(_captured.pop())
+    _captured.clear()
+    return digest
 
 
 def _sds(shape, dtype):
@@ -208,11 +216,43 @@ def fold_hashes(entropy: bool = False):
             yield f"fold {knobs or 'staged'}", _take()
 
 
+def fused_hashes():
+    """The fourteenth session's modules (appended after the walk lines): the staged fold forming
+    z_t from the forward's split captures (`sm90_fold.fold_transposed(ztT=)`, without and with
+    the entropy: the fold of the shipped fused forward, `pk.forward`), and `pk.forward(unpadded=True)`
+    at M=8 in the decode bucket (an option, off by default): the ws forward kernel with
+    row_tma and the fold writing [N] outputs."""
+    from pallas_kernels import sm90_fold
+
+    n, n_split = 300, 264
+    parts, t, v = _sds((n_split, n), jnp.float32), _sds((n,), jnp.int32), _sds((n,), jnp.float32)
+    for ent in (False, True):
+
+        def fn(m, s, st, zt, tt, it, ent=ent):
+            return sm90_fold.fold_transposed(m, s, None, tt, it, 151936, aT=st if ent else None, ztT=zt)
+
+        jax.jit(fn).trace(parts, parts, parts, parts, t, v).lower(lowering_platforms=("cuda",))
+        yield f"fold staged zt_splits{' entropy' if ent else ''}", _take()
+    m, d, v_real, v_rows = 8, 4096, 151936, 152064
+    args = (_sds((m, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16), _sds((m,), jnp.int32), _sds((m,), jnp.float32))
+
+    def fwd(h, w, tt, it):
+        return pk.forward(h, w, None, tt, it, vocab_size=v_real, padded_vocab_size=v_rows, unpadded=True)[:2]
+
+    jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",))
+    forward_module, fold_module = _captured[-2:]
+    _captured.clear()
+    yield f"forward M={m} decode row_tma (unpadded)", _digest(forward_module)
+    yield f"fold staged zt_splits n_out={m} (unpadded)", _digest(fold_module)
+
+
 def main(argv=None):
     which = (sys.argv[1:] if argv is None else argv) or ["base", "entropy"]
-    bad = set(which) - {"base", "entropy", "walk"}
+    bad = set(which) - {"base", "entropy", "walk", "fused"}
     if bad:
-        raise SystemExit(f"usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk]; unknown {sorted(bad)}")
+        raise SystemExit(
+            f"usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk] [fused]; unknown {sorted(bad)}"
+        )
     _capture_modules()
     gens = []
     if "base" in which:
@@ -225,6 +265,8 @@ def main(argv=None):
         ]
     if "base" in which or "walk" in which:  # "walk" alone: the in-place walk's lines only
         gens.append(walk_hashes)
+    if "base" in which or "fused" in which:  # "fused" alone: the fourteenth session's lines only
+        gens.append(fused_hashes)
     for gen in gens:
         for name, digest in gen():
             print(f"{digest}  {name}", flush=True)
