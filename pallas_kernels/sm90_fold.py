@@ -113,7 +113,10 @@ def staged_fits(n_split: int, rows: int = tuning.FOLD.rows, entropy: bool = Fals
 def zt_from_splits(ztT):
     """z_t [N] from the split-major target captures [n_split, N]: the bitwise OR of each
     row's captures (at most one is not +0: the owning split's; +0 where none is), the
-    same bytes as selecting the owner's capture (`wrapper._launch`)."""
+    same bytes as selecting the owner's capture (`wrapper._launch`). (One exception that no
+    output shows: a target at or past the weight's rows but inside the padded vocabulary is
+    captured from TMA's zero rows, +-0, where the select gives +0; its logp is NaN either way
+    and lse never reads z_t.)"""
     bits = lax.bitcast_convert_type(jnp.asarray(ztT, F32), jnp.int32)
     return lax.bitcast_convert_type(lax.reduce(bits, jnp.int32(0), lax.bitwise_or, (0,)), F32)
 

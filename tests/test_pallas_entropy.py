@@ -394,3 +394,21 @@ def test_fused_forward_equals_partials_and_fold(n):
         if lg:
             assert got[2].shape == (n, v)
             _same(got[2], parts[4], f"logits {what}")
+
+
+@pytest.mark.parametrize("n,bucket", [(1, "decode"), (70, "mid")], ids=["M1-decode", "M70-mid"])
+def test_unpadded_forward_equals_padded_forward(n, bucket):
+    """pk.forward(unpadded=True) (the ws kernel built with row_tma: each work item's targets / inv_t
+    brought by TMA into shared memory; in interpret mode on padded rows, since the interpreter's
+    slices are bounded: the H200 test passes unpadded rows) == the default padded launch byte for
+    byte: logp, lse, entropy, logits, with bias, per-row T and the edge targets of _problem
+    (past the vocabulary but owned, past the weight, negative, ignored)."""
+    d, v, vl, vp = 128, 328, 384, 512
+    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=8)
+    tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
+    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2, bucket=bucket)
+    kw.update(return_entropy=True, return_logits=True, logits_cols=v)
+    got = pk.forward(h, w, b, tj, ij, unpadded=True, **kw)
+    want = pk.forward(h, w, b, tj, ij, **kw)
+    for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
+        _same(got[i], want[i], f"{name} n={n} {bucket}")
