@@ -147,9 +147,9 @@ def build(
     n_out (static, staged only): the real rows, at most n_pad: targets / inv_t have n_out
     entries and the outputs are [n_out]; the grid covers ceil(n_out / rows) row blocks of the
     [n_split, n_pad] partials. Rows past n_out read targets / inv_t as 0 (TMA's fill) and
-    their results are not stored (TMA clips the store), so a decode call needs no padded
-    targets / inv_t and no output slices; every row's fold is its own, so the bytes of the
-    real rows are the same. None: n_out = n_pad, exactly the kernel without it.
+    their results are not stored (TMA clips the store); every row's fold is its own, so the
+    bytes of the real rows are the same. `fold_transposed` passes it for a multiple of 8 rows
+    only (1 or 3 rows read wrong on the H200). None: n_out = n_pad, exactly the kernel without it.
 
     entropy (static): the kernel takes the entropy statistic aT [n_split, n_pad] after
     sT and returns (logp, lse, entropy): in pass 2 each split's rescaled term
@@ -766,8 +766,9 @@ def fold_transposed(
 
     n_rows: the real rows when the partials' last N - n_rows columns are padding rows (a
     forward kernel's padded rows): targets / inv_t then have n_rows entries and the outputs
-    are [n_rows]. On the GPU the staged kernel reads and writes exactly those (`build(n_out=)`:
-    no padded targets / inv_t, no output slices); elsewhere they are padded and sliced.
+    are [n_rows]. On the GPU the staged kernel reads and writes exactly those when n_rows is
+    a multiple of 8 (`build(n_out=)`: no padded targets / inv_t, no output slices); otherwise
+    and in interpret mode they are padded and sliced.
 
     `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
     of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
@@ -797,8 +798,10 @@ def fold_transposed(
     n_pad = -(-max(n, 1) // br) * br
     pad = n_pad - n
     # The kernel reads targets / inv_t of the real rows and writes only those (GPU: TMA's fill
-    # and clipped stores; the interpreter's slices are bounded, so it gets padded rows).
-    io_rows = cfg.staged and not interpret and rows < n and pad == 0
+    # and clipped stores; the interpreter's slices are bounded, so it gets padded rows). Only for
+    # a multiple of 8 rows: 1-D TMA operands of 4 or 12 bytes (1 or 3 rows) read wrong on the
+    # H200 (benchmarks/results/h200_2026-12-02d/call3_golden_packaged.log); 32 bytes were right.
+    io_rows = cfg.staged and not interpret and rows < n and pad == 0 and rows % 8 == 0
 
     def p(x, val):
         short = n_pad - x.shape[-1]

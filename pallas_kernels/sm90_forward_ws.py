@@ -124,13 +124,14 @@ def build(
     row_tma (static): the epilogue warpgroups bring each work item's targets and inv_t rows
     into shared memory by TMA (one small copy each, awaited on an mbarrier) instead of
     loading them from global memory, so that hidden, targets and inv_t may have fewer rows
-    than n_pad: TMA fills the rows past an array with zeros (hidden rows 0, target 0,
-    inv_t 0), which only padding rows read and whose outputs are dropped (every row's
-    partials depend on its own row alone). The wrapper passes unpadded rows this way on the
-    GPU (`wrapper._launch(unpadded=True)`: no row-padding copies around a decode call);
-    interpret mode runs the same code on padded rows (its slices are bounded). The values
-    reaching the chain are the same, so the bytes are. False builds exactly the kernel
-    without it.
+    than n_pad (a multiple of 8: Mosaic tiles hidden's TMA in 8-row tiles, and 1 or 3 rows
+    of targets / inv_t read wrong on the H200): TMA fills the rows past an array with zeros
+    (hidden rows 0, target 0, inv_t 0), which only padding rows read and whose outputs are
+    dropped (every row's partials depend on its own row alone). The wrapper passes such rows
+    with `wrapper._launch(unpadded=True)` (an option: at M=1 the kernel was 13% slower with
+    it on the H200); interpret mode runs the same code on padded rows (its slices are
+    bounded). The values reaching the chain are the same, so the bytes are. False builds
+    exactly the kernel without it.
 
     weight_layout (static): "vd", the weight is [Vl, D] (the producer copies [64 w,
     tile_k] blocks into ring slots of that shape and wgmma reads `slot.T`); "dv", the
