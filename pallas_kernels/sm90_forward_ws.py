@@ -118,6 +118,7 @@ def build(
     weight_layout: str = "vd",
     return_entropy: bool = False,
     row_tma: bool = False,
+    h_box_rows: int | None = None,
 ):
     """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
 
@@ -145,6 +146,13 @@ def build(
     With cluster=2 the multicast splits the dv block along its K rows (each CTA
     loads tile_k / 2 rows of every column) instead of along the vocab rows. The "vd"
     module is the one built before this argument existed.
+
+    h_box_rows (static, an experiment for decode; None builds exactly the kernel without it):
+    the producer's hidden TMA box covers the first h_box_rows rows of the CTA's rows (a
+    multiple of 8 below cta_rows) instead of all of them; the other rows of every pipeline
+    slot are zeroed once by the producer before its first copy, so the wgmma A operand holds
+    the same values wherever the hidden array's rows past h_box_rows were zeros (padding
+    rows). Only for a single row block whose real rows fit in the box (num rows <= h_box_rows).
 
     return_entropy (static): the epilogue warpgroups' chain also carries the entropy
     statistic A (`linear-logp-entropy-v1`, `tile_math.chain_tile_sliced(..., a=)`) and
@@ -184,6 +192,12 @@ def build(
         )
     sg = cfg.split_group
     producer = n_mma + n_epi
+    hb = cta_rows if h_box_rows is None else h_box_rows
+    if h_box_rows is not None and not (h_box_rows % 8 == 0 and 0 < h_box_rows < cta_rows and n_rb == 1 and cl == 1):
+        raise ValueError(
+            f"h_box_rows must be a multiple of 8 below {cta_rows}, with one row block and no cluster; "
+            f"got {h_box_rows} (n_pad={n_pad}, cluster={cl})"
+        )
     # One K slice of tile_k bf16 = one swizzle row (64 -> 128B, 32 -> 64B). The wgmma
     # instruction sequence per accumulator (k16 ascending) does not depend on it.
     transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(2 * tile_k))
@@ -260,6 +274,10 @@ def build(
             @pl.when(wg == producer)
             def _producer():
                 set_registers(reg_producer)
+                if h_box_rows is not None:  # rows past the box: zeros in every slot, written once
+                    for st in range(stages):
+                        h_smem.at[st][...] = jnp.zeros((cta_rows, tile_k), jnp.bfloat16)
+                    plgpu.commit_smem()  # before the async proxy (TMA, wgmma) touches the slots
 
                 def item_body(li, step):
                     _, rb, t0, _ = item(li)
@@ -270,8 +288,12 @@ def build(
                         k = sk - g * k_iters
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(empty.at[slot])
+                        if h_box_rows is None:
+                            h_dst = h_smem.at[slot]
+                        else:
+                            h_dst = h_smem.at[slot, pl.ds(0, hb)]
                         plgpu.copy_gmem_to_smem(
-                            h_gmem.at[pl.ds(row0, cta_rows), pl.ds(k * tile_k, tile_k)], h_smem.at[slot], full.at[slot]
+                            h_gmem.at[pl.ds(row0, hb), pl.ds(k * tile_k, tile_k)], h_dst, full.at[slot]
                         )
                         # Rows ("vd") / columns ("dv") past the weight's end (the last group of the last
                         # split) read as zero (TMA fill). In a cluster both CTAs issue this same copy:

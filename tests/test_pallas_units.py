@@ -871,3 +871,53 @@ def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entro
     assert ops(fake) == {"custom_call": 2, "transpose": 0, "pad": 3}
     unfused = ops(dataclasses.replace(fake, fused_forward=None))
     assert unfused["custom_call"] == 2 and unfused["transpose"] > 0 and unfused["pad"] > 3, unfused
+
+
+def _decode_ws_kernel(h_box_rows, interpret, d=256, vp=1024, v=1000):
+    from pallas_kernels import sm90_forward_ws
+
+    geom = pk.shard_geometry(v, vp)
+    return sm90_forward_ws.build(
+        n_pad=64,
+        d=d,
+        lg_cols=vp,
+        geom=geom,
+        cfg=tuning.BUCKETS["decode"],
+        has_bias=False,
+        return_logits=False,
+        num_ctas=2 if interpret else 4,
+        interpret=interpret,
+        interpret_params=None,
+        lg_rows=8,
+        h_box_rows=h_box_rows,
+    )
+
+
+@pytest.mark.parametrize("h_rows", [64, 8, 1])
+def test_hidden_box_experiment_lowers_for_cuda(h_rows):
+    """sm90_forward_ws.build(h_box_rows=8) (the decode experiment of benchmarks/experiments/
+    probe_kernel.py's decode15 group: an 8-row hidden box, the slot's other rows zeroed once by
+    the producer) lowers for CUDA on a padded, an 8-row and a 1-row hidden array; a box that is
+    not a multiple of 8 or a launch of more than one row block is refused."""
+    S = jax.ShapeDtypeStruct
+    args = (S((h_rows, 256), jnp.bfloat16), S((1024, 256), jnp.bfloat16), S((64,), jnp.int32), S((64,), jnp.float32))
+    jax.jit(_decode_ws_kernel(8, False)).trace(*args).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="h_box_rows"):
+        _decode_ws_kernel(12, False)
+
+
+def test_hidden_box_experiment_gives_the_same_bytes_in_interpret_mode():
+    """The 8-row hidden box reads the rows the full box reads where the hidden array's other
+    rows are zeros (padding rows): every partial equal, padding rows included."""
+    rng = np.random.default_rng(3)
+    h = np.zeros((64, 256), np.float32)
+    h[:3] = rng.standard_normal((3, 256))
+    w = jnp.asarray(rng.standard_normal((1024, 256)) * 0.2, jnp.bfloat16)
+    t = jnp.asarray([5, 999, 400] + [C.IGNORE_INDEX] * 61, jnp.int32)
+    it = jnp.ones((64,), jnp.float32)
+    args = (jnp.asarray(h, jnp.bfloat16), w, t, it)
+    full = _decode_ws_kernel(None, True)(*args)
+    boxed = _decode_ws_kernel(8, True)(*args)
+    assert len(full) == len(boxed) == 3
+    for a, b, name in zip(full, boxed, ("m", "s", "z_t")):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32), err_msg=name)

@@ -73,21 +73,24 @@ def forward_build(cfg):
     raise TypeError(f"not a forward kernel config: {cfg!r}")
 
 
-def kernel_fn(m, cfg, *, return_logits=False):
+def kernel_fn(m, cfg, *, return_logits=False, h_rows=None, row_rows=None, **build_kw):
     """(run, prep): a jitted kernel-only call run(h_pad, w, t_pad, inv_t_pad) on pre-padded
-    operands (as `partials` builds them; no bias), and prep(h, t) -> (h_pad, t_pad, inv_t_pad)."""
+    operands (as `partials` builds them; no bias), and prep(h, t) -> (h_pad, t_pad, inv_t_pad).
+    h_rows / row_rows: rows the hidden / the targets and inv_t are padded to (default the
+    kernel's padded rows; fewer only with a ws kernel that reads past them: `build_kw`
+    row_tma=True for the row inputs, TMA's out-of-bounds fill or h_box_rows for hidden)."""
     geom = pk.shard_geometry(V_REAL, V_ROWS)
     n_pad = tuning.padded_rows(m, cfg)
+    h_rows, row_rows = h_rows or n_pad, row_rows or n_pad
     num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms() * cfg.ctas_per_sm)
     lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
     build = forward_build(cfg)
 
     def prep(h, t):
-        pad = n_pad - m
         return (
-            jnp.pad(h, ((0, pad), (0, 0))),
-            jnp.pad(t, (0, pad), constant_values=C.IGNORE_INDEX),
-            jnp.ones((n_pad,), F32),
+            jnp.pad(h, ((0, h_rows - m), (0, 0))),
+            jnp.pad(t, (0, row_rows - m), constant_values=C.IGNORE_INDEX),
+            jnp.ones((row_rows,), F32),
         )
 
     @jax.jit
@@ -104,6 +107,7 @@ def kernel_fn(m, cfg, *, return_logits=False):
             interpret=False,
             interpret_params=None,
             lg_rows=lg_rows,
+            **build_kw,
         )(h, w, t, invt)
 
     return run, prep

@@ -121,12 +121,12 @@ class Probe:
             self.inputs[m] = [kt.inputs(m, s) for s in (1, 2)]
         return self.inputs[m]
 
-    def kernel(self, group, name, m, cfg, *, return_logits=False, ref_key=None):
+    def kernel(self, group, name, m, cfg, *, return_logits=False, ref_key=None, **fn_kw):
         if self.over_budget():
             return
         try:
             t0 = time.perf_counter()
-            run, prep = kt.kernel_fn(m, cfg, return_logits=return_logits)
+            run, prep = kt.kernel_fn(m, cfg, return_logits=return_logits, **fn_kw)
             arg_sets = [(*prep(h, t),) for h, t in self.sets(m)]
             arg_sets = [(a[0], self.w, a[1], a[2]) for a in arg_sets]
             out, res = kt.time_calls(run, arg_sets, kt.calls_for(m), self.samples)
@@ -226,6 +226,28 @@ def main(argv):
             )
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("decode7", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
+    if "decode15" in groups:
+        # Why rows passed unpadded made the M=1 decode kernel slower (fourteenth session: 316 vs
+        # 280 us under the profiler): the row inputs by TMA on padded rows, hidden with 8 rows
+        # (a 64-row box mostly past the array), both; and a hidden box of 8 rows (the slot's
+        # other rows zeroed once), on padded and on 8-row hidden. All the same bytes.
+        dec = tuning.BUCKETS["decode"]
+        for m in (1, 8):
+            p.kernel("decode15", "decode (padded)", m, dec)
+            p.kernel("decode15", "row_tma, padded", m, dec, row_tma=True)
+            p.kernel("decode15", "hidden 8 rows", m, dec, h_rows=8)
+            p.kernel("decode15", "hidden 8 rows + row_tma (unpadded)", m, dec, h_rows=8, row_rows=8, row_tma=True)
+            p.kernel("decode15", "h box 8, padded", m, dec, h_box_rows=8)
+            p.kernel("decode15", "h box 8, hidden 8 rows", m, dec, h_rows=8, h_box_rows=8)
+            if m == 1:  # a 1-row hidden array (the box's other 7 rows past it)
+                p.kernel("decode15", "h box 8, hidden 1 row", m, dec, h_rows=1, h_box_rows=8)
+            p.kernel(
+                "decode15", "h box 8 + row_tma, all 8 rows", m, dec, h_rows=8, row_rows=8, row_tma=True, h_box_rows=8
+            )
+            p.kernel("decode15", "decode (padded) again", m, dec)
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("decode15", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob

@@ -30,19 +30,30 @@ def _case(n, d, v_pad, vocab, seed):
 
 @pytest.mark.parametrize(
     "n,d,v_pad,vocab",
-    [(12, 128, 1536, 1500), (300, 256, 50176, 50000), (5, 128, 152064, 151936), (64, 256, 19008, 18990)],
-    ids=["one-chunk", "tiled-tail", "qwen-head", "tp8-shard-tail"],
+    [
+        (12, 128, 1536, 1500),
+        (300, 256, 50176, 50000),
+        (5, 128, 152064, 151936),
+        (64, 256, 19008, 18990),
+        (64, 256, 16064, 16000),
+    ],
+    ids=["one-chunk", "tiled-tail", "qwen-head", "tp8-shard-tail", "short-head-rounded-chunk"],
 )
 def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
     """jax.grad of linear_logp on pallas_sm90 (strict mode) against float64 autodiff; two runs
     identical. The last case has a TP=8 shard's vocabulary (19008 rows = one chunk of 16384 +
     2624, which the dW kernel does not tile at an offset: the last chunk's dW block is written
-    before the full chunk; it failed to compile on the H200 when XLA formed those rows)."""
+    before the full chunk; it failed to compile on the H200 when XLA formed those rows). The
+    last is a head shorter than one chunk that the kernels do not take whole (a TP=8 shard of
+    the Llama-3 head padded to 128512 has 16064 rows): it walks in place in a chunk of its rows
+    rounded down (15872) and a last chunk of the rest."""
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=n)
     if v_pad == 19008:
         walk = backends.get("pallas_sm90").dz.in_place
         assert grad._in_place_ok(backends.get("pallas_sm90").dz, hb, wb, grad.IN_PLACE_CHUNK, "vd")
         assert not walk.dw_cols_supported(v_pad % grad.IN_PLACE_CHUNK)
+    if v_pad == 16064:
+        assert grad._in_place_chunk(backends.get("pallas_sm90").dz, hb, wb, "vd") == 15872
 
     def loss(h, w, b):
         out = dl.linear_logp(
