@@ -184,6 +184,12 @@ def build(
     dump_bytes = tuning.accumulator_copy_bytes(cfg, w)
     stages = tuning.pipeline_stages(cfg, w, tile_k, dump_bytes)
     assert stages >= 2, stages  # one slot would deadlock: step k waits for the release that follows its own wgmma
+    lag = cfg.mma_stagger
+    if lag >= stages or lag > n_groups * k_iters:
+        raise ValueError(
+            f"mma_stagger ({lag}) must be below the pipeline depth ({stages} stages) and at most the K "
+            f"slices of one work item ({n_groups * k_iters})"
+        )
     stage_bytes = tuning.stage_bytes(cfg, w, tile_k)
     if stages * stage_bytes + dump_bytes > tuning.SMEM_LIMIT:
         raise ValueError(
@@ -245,6 +251,8 @@ def build(
             dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
             dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
         )
+        if lag:  # the first wgmma warpgroup's signal that the second may start
+            scoped.update(stagger=plgpu.Barrier(num_arrivals=1, num_barriers=1))
         if row_tma:  # each hand-off buffer's targets / inv_t rows; one barrier per epilogue warpgroup
             scoped.update(
                 rows_t=plgpu.SMEM((n_mma, bm), jnp.int32),
@@ -253,7 +261,19 @@ def build(
             )
 
         @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-        def _scope(h_smem, w_smem, dump, full, empty, dump_full, dump_empty, rows_t=None, rows_i=None, rows_bar=None):
+        def _scope(
+            h_smem,
+            w_smem,
+            dump,
+            full,
+            empty,
+            dump_full,
+            dump_empty,
+            stagger=None,
+            rows_t=None,
+            rows_i=None,
+            rows_bar=None,
+        ):
             wg = lax.axis_index("wg")
             cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
             n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
@@ -323,6 +343,11 @@ def build(
                 set_registers(reg_mma)
                 for st in range(stages):  # every slot starts free
                     plgpu.barrier_arrive(empty.at[st])
+                if lag:
+
+                    @pl.when(wg == 1)
+                    def _wait_for_lead():
+                        plgpu.barrier_wait(stagger.at[0])
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
                 def _acc_scope(acc_ref):
@@ -333,6 +358,12 @@ def build(
                         # B = the [K, N] view of the slot: the slot itself ("dv") or its transpose ("vd").
                         w_tile = w_smem.at[slot] if dv else w_smem.at[slot].T
                         plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_tile)
+                        if lag:
+
+                            @pl.when((wg == 0) & (step == lag - 1))
+                            def _lead():  # its first `lag` K slices are issued: the second may start
+                                plgpu.barrier_arrive(stagger.at[0])
+
                         plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
 
                         @pl.when(k > 0)

@@ -35,6 +35,11 @@ is how the fixed work is laid onto the GPU:
   slower, M=4096 8.49 vs 8.10 ms;
   benchmarks/results/h200_2026-11-30d/probe_cluster.jsonl),
 
+* `mma_stagger` (ws kernel): the second wgmma warpgroup starts that many K slices after the
+  first, so that their group ends (a wgmma_wait(0) and the accumulator's copy into the
+  hand-off buffer) do not leave the tensor cores idle together (off in every bucket; timed by
+  `benchmarks.experiments.probe_kernel --groups stagger15`),
+
 selected by an M bucket (`decode`, `small`, `prefill`). `tiles_per_group`
 (the wgmma N width in 64-column tiles) is derived from the split geometry
 ONLY (never from M or the bucket), so every bucket issues the same wgmma
@@ -143,6 +148,14 @@ class WsForwardConfig(ForwardConfig):
     # "swizzled" (two [block_m, 32] halves, 128B swizzle: the logits leave in 2 TMA boxes per tile
     # instead of 8, the accumulator copy is 2 stores per tile; epilogue_slices 4 or 8). Same bytes.
     handoff: str = "slices"
+    # The second wgmma warpgroup starts its first K slice after the first has issued its
+    # mma_stagger-th (0: together). Each group ends with a wgmma_wait(0) and the accumulator's
+    # copy into the hand-off buffer, a gap in the tensor core's work when both warpgroups end
+    # their groups at once; staggered, one runs wgmmas while the other copies. The leading one
+    # then has mma_stagger fewer pipeline slots of lookahead (a slot is refilled when both have
+    # released it), so it must be below the pipeline depth. The wgmma sequence per accumulator
+    # is unchanged (same bytes); not yet timed on the H200 (probe_kernel's stagger15 group).
+    mma_stagger: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -171,6 +184,12 @@ class WsForwardConfig(ForwardConfig):
         _require(self.tile_k in (32, 64), self, f"tile_k must be 32 or 64, got {self.tile_k}")
         _require(isinstance(self.auto_barriers, bool), self, f"auto_barriers must be a bool, got {self.auto_barriers}")
         _require(self.cluster in (1, 2), self, f"cluster must be 1 or 2, got {self.cluster}")
+        _require_int(self, "mma_stagger", 0)
+        _require(
+            self.mma_stagger == 0 or self.num_compute_wgs == 2,
+            self,
+            f"mma_stagger needs two wgmma warpgroups, got num_compute_wgs={self.num_compute_wgs}",
+        )
         _require(
             self.handoff == "slices" or (self.handoff == "swizzled" and self.epilogue_slices in (4, 8)),
             self,

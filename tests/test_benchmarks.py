@@ -278,7 +278,7 @@ class Recorder:
         pass
 
 probe_kernel.Probe = Recorder
-groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15"
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15"
 probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
 probe_kernel.main([])
 assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,

@@ -335,6 +335,27 @@ def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices, hando
         assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
 
 
+@pytest.mark.parametrize("stagger,epilogue_wgs", [(1, 1), (2, 2)])
+def test_ws_kernel_staggered_wgmma_warpgroups_give_the_same_bytes(stagger, epilogue_wgs):
+    """mma_stagger (the second wgmma warpgroup starts `stagger` K slices after the first): the
+    same partials, logits, logp and lse bytes as the shipped prefill config, no races (one CTA,
+    two work items, so the lag carries over an item switch), and the kernel ends (no barrier
+    left waiting). A lag the pipeline or one work item cannot hold is refused."""
+    n, d, v, vp = 130, 128, 328, 512
+    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=4, per_row_t=True)
+    ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="prefill", num_ctas=1, return_logits=True)
+    cfg = _ws(mma_stagger=stagger, epilogue_wgs=epilogue_wgs)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=cfg, num_ctas=1, return_logits=True)
+    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
+        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
+    assert_bitwise_equal(logp, ref_logp, "logp")
+    assert_bitwise_equal(lse, ref_lse, "lse")
+    with pytest.raises(ValueError, match="mma_stagger"):
+        _run(h, w, b, t, inv_t, v, vp, bucket=_ws(mma_stagger=3), num_ctas=1)
+    with pytest.raises(ValueError, match="mma_stagger"):
+        tuning.WsForwardConfig("one-wg", block_m=64, num_compute_wgs=1, max_concurrent_steps=3, mma_stagger=1)
+
+
 @pytest.mark.slow
 def test_ws_kernel_tile_k32_equals_oracle():
     """tile_k=32 (64B swizzle, twice the stages): interpret-mode wgmma rounds per call, so

@@ -561,6 +561,15 @@ def test_forward_lowers_for_cuda(bucket):
     _lower(70, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512)
 
 
+@pytest.mark.parametrize("stagger", [1, 2])
+def test_staggered_forward_lowers_for_cuda(stagger):
+    """WsForwardConfig.mma_stagger (the second wgmma warpgroup a few K slices behind the first)
+    lowers for CUDA in the prefill config, with the trainer and the serving entry."""
+    cfg = dataclasses.replace(tuning.BUCKETS["prefill"], name=f"stagger{stagger}", mma_stagger=stagger)
+    _lower(300, 192, 1000, 1024, cfg, bias=True, logits=True)
+    _lower(300, 192, 1000, 1024, cfg, bias=False, logits=False)
+
+
 def test_cluster_forward_lowers_for_cuda():
     c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
     _lower(300, 192, 1000, 1024, c2, bias=True, logits=True)

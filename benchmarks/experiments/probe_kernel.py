@@ -249,6 +249,20 @@ def main(argv):
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("decode15", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
+    if "stagger15" in groups:
+        # The second wgmma warpgroup a few K slices behind the first (WsForwardConfig.mma_stagger):
+        # at a group's end one copies its accumulator into the hand-off buffer while the other
+        # still runs wgmmas, at the price of lookahead for the leading one (fifteenth session,
+        # built on the CPU; issue 18's forward <= 1.02x at M >= 512). The same bytes.
+        for m in (512, 2048, 4096, 16384):
+            base = "mid" if m <= 2048 else "prefill"
+            p.kernel("stagger15", base, m, tuning.BUCKETS[base])
+            for lag in (1, 2):
+                p.kernel("stagger15", f"{base} stagger {lag}", m, _v(base, f"s15{base}{lag}", mma_stagger=lag))
+            p.kernel("stagger15", f"{base} again", m, tuning.BUCKETS[base])
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("stagger15", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob
         # (all bit-neutral): each variant pads the rows to its own row block,

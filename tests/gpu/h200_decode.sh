@@ -20,6 +20,8 @@
 #             next to the GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's
 #             pieces at M = 4096; chunk7: the recompute backward's time and temp bytes per vocab chunk;
 #             handoff8: the shipped ws buckets (swizzled hand-off) vs the eight-slice layout, trainer and serving;
+#             decode15: the decode kernel with unpadded rows / an 8-row hidden box; stagger15: the
+#             prefill / mid kernel with staggered wgmma warpgroups, M = 512 .. 16384, PROBE_LIMIT_S=300;
 #             pass1_8 is at 14e5aad)
 #   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
 #             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
