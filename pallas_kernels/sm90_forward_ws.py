@@ -308,10 +308,8 @@ def build(
                         k = sk - g * k_iters
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(empty.at[slot])
-                        if h_box_rows is None:
-                            h_dst = h_smem.at[slot]
-                        else:
-                            h_dst = h_smem.at[slot, pl.ds(0, hb)]
+                        # (The whole slot without a box: the module built before h_box_rows.)
+                        h_dst = h_smem.at[slot] if h_box_rows is None else h_smem.at[slot, pl.ds(0, hb)]
                         plgpu.copy_gmem_to_smem(
                             h_gmem.at[pl.ds(row0, hb), pl.ds(k * tile_k, tile_k)], h_dst, full.at[slot]
                         )

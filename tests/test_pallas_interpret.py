@@ -338,9 +338,9 @@ def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices, hando
 @pytest.mark.parametrize("stagger,epilogue_wgs", [(1, 1), (2, 2)])
 def test_ws_kernel_staggered_wgmma_warpgroups_give_the_same_bytes(stagger, epilogue_wgs):
     """mma_stagger (the second wgmma warpgroup starts `stagger` K slices after the first): the
-    same partials, logits, logp and lse bytes as the shipped prefill config, no races (one CTA,
-    two work items, so the lag carries over an item switch), and the kernel ends (no barrier
-    left waiting). A lag the pipeline or one work item cannot hold is refused."""
+    same partials, logits, logp and lse bytes as the shipped prefill config, no races (one CTA
+    runs all 16 work items, so the lag carries over item switches), and the kernel ends (no
+    barrier left waiting). A lag the pipeline or one work item cannot hold is refused."""
     n, d, v, vp = 130, 128, 328, 512
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=4, per_row_t=True)
     ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="prefill", num_ctas=1, return_logits=True)

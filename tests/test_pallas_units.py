@@ -547,7 +547,7 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None, wei
             weight_layout=weight_layout,
         )
 
-    jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",))
+    return jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",)).as_text()
 
 
 _OTHER_HANDOFFS = [handoff_variant("prefill", "swizzled", 4), handoff_variant("decode", "slices", 2)]
@@ -564,10 +564,12 @@ def test_forward_lowers_for_cuda(bucket):
 @pytest.mark.parametrize("stagger", [1, 2])
 def test_staggered_forward_lowers_for_cuda(stagger):
     """WsForwardConfig.mma_stagger (the second wgmma warpgroup a few K slices behind the first)
-    lowers for CUDA in the prefill config, with the trainer and the serving entry."""
+    lowers for CUDA in the prefill config, with the trainer and the serving entry, into another
+    module than the shipped config's (the knob is not dropped on the way to the kernel)."""
     cfg = dataclasses.replace(tuning.BUCKETS["prefill"], name=f"stagger{stagger}", mma_stagger=stagger)
     _lower(300, 192, 1000, 1024, cfg, bias=True, logits=True)
-    _lower(300, 192, 1000, 1024, cfg, bias=False, logits=False)
+    staggered = _lower(300, 192, 1000, 1024, cfg, bias=False, logits=False)
+    assert staggered != _lower(300, 192, 1000, 1024, "prefill", bias=False, logits=False)
 
 
 def test_cluster_forward_lowers_for_cuda():
@@ -882,12 +884,12 @@ def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entro
     assert unfused["custom_call"] == 2 and unfused["transpose"] > 0 and unfused["pad"] > 3, unfused
 
 
-def _decode_ws_kernel(h_box_rows, interpret, d=256, vp=1024, v=1000):
+def _decode_ws_kernel(h_box_rows, interpret, d=256, vp=1024, v=1000, n_pad=64):
     from pallas_kernels import sm90_forward_ws
 
     geom = pk.shard_geometry(v, vp)
     return sm90_forward_ws.build(
-        n_pad=64,
+        n_pad=n_pad,
         d=d,
         lg_cols=vp,
         geom=geom,
@@ -913,6 +915,8 @@ def test_hidden_box_experiment_lowers_for_cuda(h_rows):
     jax.jit(_decode_ws_kernel(8, False)).trace(*args).lower(lowering_platforms=("cuda",))
     with pytest.raises(ValueError, match="h_box_rows"):
         _decode_ws_kernel(12, False)
+    with pytest.raises(ValueError, match="one row block"):
+        _decode_ws_kernel(8, False, n_pad=128)
 
 
 def test_hidden_box_experiment_gives_the_same_bytes_in_interpret_mode():
