@@ -106,9 +106,10 @@ def check() -> int:
     note = ""
     if getattr(jax, "__version__", "") != os.environ.get("DETLOGP_CHECK_JAX", jax.__version__):
         note = f" (warning: the locks pin jax {os.environ['DETLOGP_CHECK_JAX']})"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(
         f"check: Python {platform.python_version()}, jax {jax.__version__}{note} on {default} "
-        f"({devs}), linear_logp backend {backend} [{setup}, {where}]"
+        f"({devs}; {cpus} host CPUs), linear_logp backend {backend} [{setup}, {where}]"
     )
     return 0
 

@@ -1,14 +1,30 @@
-"""pytest setup: the repository root on sys.path, GPU tests skipped without a Hopper GPU.
+"""pytest setup: the repository root on sys.path, XLA's CPU thread pool wide enough for Pallas
+interpret mode, a per-test watchdog, GPU tests skipped without a Hopper GPU.
 Shared helpers live in tests/helpers.py."""
 
+import faulthandler
 import os
 import sys
+import threading
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Pallas Mosaic GPU interpret mode runs every warpgroup of a block as its own XLA CPU execution;
+# their barrier waits are host callbacks that block, and XLA runs some of those callbacks on its
+# intra-op thread pool, sized by default to the CPUs this process may use. With one CPU (or two and
+# bad luck) a waiting callback holds the pool's only thread while the warpgroup it waits for needs
+# that thread: a deadlock (seen with `taskset -c 0` on test_kernel_entropy_multi_tile_splits, about
+# one run in two). XLA reads the pool size from NPROC; 32 threads cover the 5 warpgroups x 4 warps
+# of our largest kernel. Idle pool threads cost nothing. Must be set before jax makes its CPU client.
+os.environ.setdefault("NPROC", "32")
+
+# A test that runs longer than this is stopped with every thread's Python stack printed, so a hang
+# fails within minutes instead of using up a CI job's time limit. 0 turns the watchdog off.
+TEST_TIMEOUT_S = float(os.environ.get("DETLOGP_TEST_TIMEOUT_S", "1200"))
 
 
 def _has_hopper():
@@ -24,3 +40,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _stop_hung_test(item):
+    """The watchdog's action: output capture off, every thread's stack to stderr, exit code 3."""
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
+    sys.stderr.write(f"\n[watchdog] {item.nodeid} ran past {TEST_TIMEOUT_S:.0f} s; the threads' stacks:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(3)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if TEST_TIMEOUT_S <= 0:
+        return (yield)
+    timer = threading.Timer(TEST_TIMEOUT_S, _stop_hung_test, args=(item,))
+    timer.daemon = True
+    timer.start()
+    try:
+        return (yield)
+    finally:
+        timer.cancel()
