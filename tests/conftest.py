@@ -15,11 +15,12 @@ if ROOT not in sys.path:
 
 # Pallas Mosaic GPU interpret mode runs every warpgroup of a block as its own XLA CPU execution;
 # their barrier waits are host callbacks that block, and XLA runs some of those callbacks on its
-# intra-op thread pool, sized by default to the CPUs this process may use. With one CPU (or two and
-# bad luck) a waiting callback holds the pool's only thread while the warpgroup it waits for needs
-# that thread: a deadlock (seen with `taskset -c 0` on test_kernel_entropy_multi_tile_splits, about
-# one run in two). XLA reads the pool size from NPROC; 32 threads cover the 5 warpgroups x 4 warps
-# of our largest kernel. Idle pool threads cost nothing. Must be set before jax makes its CPU client.
+# intra-op thread pool, sized by default to the CPUs this process may use. With one CPU (in principle
+# with two, when two waiting callbacks hold both threads) a waiting callback holds the pool while
+# the warpgroup it waits for needs a pool thread: a deadlock (`taskset -c 0`: 3 of 5 runs of
+# test_kernel_entropy_multi_tile_splits[prefill-True] hung; with this setting 5 of 5 passed).
+# XLA reads the pool size from NPROC; 32 threads cover the 5 warpgroups x 4 warps of our largest
+# kernel, and idle pool threads cost nothing. Must be set before jax makes its CPU client.
 os.environ.setdefault("NPROC", "32")
 
 # A test that runs longer than this is stopped with every thread's Python stack printed, so a hang

@@ -274,6 +274,7 @@ def test_system_run_prints_the_check_line_and_no_tpu_noise(tmp_path):
     assert proc.stdout == "JAX_PLATFORMS=cpu\ncpu\n"
     check = "[setup] check: Python %d.%d.%d, jax 0.11.2 on cpu (" % sys.version_info[:3]
     assert proc.stderr.startswith(check) and "linear_logp backend reference [system, " in proc.stderr, proc.stderr
+    assert " host CPUs), linear_logp backend" in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and "tpu" not in proc.stderr.lower(), proc.stderr
     assert not (tmp_path / "venv").exists()
 
@@ -303,3 +304,22 @@ def test_failed_install_is_one_error_line_with_the_fix(tmp_path):
     assert not (tmp_path / "venv" / ".detlogp-lock").exists()  # the next run starts over
     rc, out, _ = run("scripts/run.sh", dict(env, DETLOGP_SETUP="plan"))
     assert "records no lock" in out
+
+
+def test_the_suite_watchdog_stops_a_hung_test_with_its_stack(tmp_path):
+    """tests/conftest.py as a plugin in a pytest subprocess: a test sleeping past
+    DETLOGP_TEST_TIMEOUT_S ends the run with exit code 3 and the stacks of the threads (the test's
+    own frame among them); NPROC (XLA's CPU pool size for interpret mode) is set for the run."""
+    (tmp_path / "test_hangs.py").write_text(
+        "import os, time\n"
+        "def test_sleeps():\n"
+        "    assert os.environ['NPROC'] == '32'\n"
+        "    time.sleep(60)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NPROC"}
+    env.update(DETLOGP_TEST_TIMEOUT_S="3", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "test_hangs.py"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "[watchdog] test_hangs.py::test_sleeps ran past 3 s" in proc.stderr, proc.stderr
+    assert 'test_hangs.py", line 4 in test_sleeps' in proc.stderr, proc.stderr
