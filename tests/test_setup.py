@@ -311,10 +311,7 @@ def test_the_suite_watchdog_stops_a_hung_test_with_its_stack(tmp_path):
     DETLOGP_TEST_TIMEOUT_S ends the run with exit code 3 and the stacks of the threads (the test's
     own frame among them); NPROC (XLA's CPU pool size for interpret mode) is set for the run."""
     (tmp_path / "test_hangs.py").write_text(
-        "import os, time\n"
-        "def test_sleeps():\n"
-        "    assert os.environ['NPROC'] == '32'\n"
-        "    time.sleep(60)\n"
+        "import os, time\ndef test_sleeps():\n    assert os.environ['NPROC'] == '32'\n    time.sleep(60)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "NPROC"}
     env.update(DETLOGP_TEST_TIMEOUT_S="3", PYTHONPATH=ROOT)
