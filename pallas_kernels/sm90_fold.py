@@ -62,6 +62,8 @@ config is `tuning.FOLD`):
   trip of the chain) is ONE `inline_mgpu` op on the SMEM view, emitting
   the same loads and instructions the Pallas ops would (`_SmemBlocks`);
   interpret mode runs the same steps as Pallas ops (`_InterpretBlocks`).
+  The body is `fold_row_block(plan, ins, outs, scratch, r0)` (one warpgroup, one row block,
+  the scratch of `plan.scratch_types()`), so another kernel can run it too.
 * staged=False: the previous layout, one row per thread (FOLD_ROWS = 128
   rows per CTA), both passes loading m_j / s_j straight from global memory,
   `unroll` splits per loop trip. Kept for timing comparisons; same bits.
@@ -219,27 +221,132 @@ def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size, acc_a=None):
     return logp, lse, jnp.where(h < 0, jnp.asarray(0.0, F32), h)
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedPlan:
+    """The static shape of the staged fold of one row block: what `fold_row_block` runs.
+
+    rows (32 or 64) rows per warpgroup, G = 128 / rows split groups; `chunk` splits per TMA copy
+    (raised by `staged_plan` so that one barrier array needs at most 32 barriers); `unroll`
+    splits per chain trip. No field but `entropy`, `zt_splits` and `vocab_size` changes a bit."""
+
+    n_split: int
+    rows: int
+    chunk: int
+    unroll: int
+    vocab_size: int
+    interpret: bool
+    entropy: bool = False
+    zt_splits: bool = False
+
+    @property
+    def g_n(self) -> int:  # split groups per row
+        return 128 // self.rows
+
+    @property
+    def shape(self) -> tuple[int, int]:  # one [G, rows] register array per thread group
+        return (self.g_n, self.rows)
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n_split // self.chunk)
+
+    @property
+    def n_full(self) -> int:  # chunks of exactly `chunk` splits; then one partial chunk if any
+        return self.n_split // self.chunk
+
+    @property
+    def smem_rows(self) -> int:  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
+        return -(-self.n_split // self.g_n) * self.g_n + self.g_n
+
+    def scratch_types(self) -> tuple:
+        """The SMEM buffers and barriers `fold_row_block` takes, in its `scratch` order."""
+        ent = lambda *x: x if self.entropy else ()  # the entropy's scratch, only with it
+        sm, br, shape, n_chunks = self.smem_rows, self.rows, self.shape, self.n_chunks
+        scratch = (
+            plgpu.SMEM((sm, br), F32),  # m
+            plgpu.SMEM((sm, br), F32),  # s, then the terms
+            *ent(plgpu.SMEM((sm, br), F32)),  # A, then its terms
+            plgpu.SMEM((2 * self.g_n, br), F32),  # partial max exchange
+            plgpu.SMEM(shape, F32),  # z_t (row 0)
+            plgpu.SMEM(shape, jnp.int32),  # targets (row 0)
+            plgpu.SMEM(shape, F32),  # inv_t (row 0)
+            plgpu.SMEM(shape, F32),  # logp out (row 0 is stored)
+            plgpu.SMEM(shape, F32),  # lse out
+            *ent(plgpu.SMEM(shape, F32)),  # entropy out
+            plgpu.Barrier(num_barriers=n_chunks),
+            plgpu.Barrier(num_barriers=n_chunks),
+            *ent(plgpu.Barrier(num_barriers=n_chunks)),  # A's chunks
+            plgpu.Barrier(num_arrivals=2 if self.zt_splits else 3),  # the row inputs
+        )
+        if self.zt_splits:  # the captures [n_split rows, br] (rows past n_split: never read as captures)
+            scratch += (plgpu.SMEM((sm, br), F32), plgpu.Barrier(num_barriers=n_chunks))
+        return scratch
+
+
+def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=False, zt_splits=False) -> StagedPlan:
+    """The plan `_build_staged` launches; ValueError where the row block's partials do not fit in SMEM."""
+    g_n = 128 // rows
+    # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
+    # barriers per array: raise chunk to the smallest that needs <= 32.
+    chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
+    if not staged_fits(n_split, rows, entropy, zt_splits):
+        raise ValueError(f"staged fold: n_split={n_split} x {rows} rows does not fit in SMEM; use staged=False")
+    return StagedPlan(n_split, rows, chunk, unroll, vocab_size, interpret, entropy, zt_splits)
+
+
 def _build_staged(
     *, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw, entropy=False, zt_splits=False, n_out=None
 ):
     br = rows  # (rows and chunk are checked by tuning.FoldConfig)
-    g_n = 128 // br  # split groups per row
     assert n_pad % br == 0, (n_pad, br)
     n_out = n_pad if n_out is None else n_out
     assert 1 <= n_out <= n_pad, (n_out, n_pad)
-    # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
-    # barriers per array: raise chunk to the smallest that needs <= 32.
-    chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
-    if not staged_fits(n_split, br, entropy, zt_splits):
-        raise ValueError(f"staged fold: n_split={n_split} x {br} rows does not fit in SMEM; use staged=False")
-    n_steps = -(-n_split // g_n)  # G splits per step
-    smem_rows = n_steps * g_n + g_n  # + G: the (unused) chains of g > 0 read up to n_split + G - 2
-    n_chunks = -(-n_split // chunk)
-    n_full = n_split // chunk  # chunks of exactly `chunk` splits; then one partial chunk if any
-    shape = (g_n, br)
+    plan = staged_plan(
+        n_split=n_split,
+        vocab_size=vocab_size,
+        interpret=interpret,
+        unroll=unroll,
+        rows=rows,
+        chunk=chunk,
+        entropy=entropy,
+        zt_splits=zt_splits,
+    )
+    n_in, n_res = (6, 3) if entropy else (5, 2)
+
+    def kernel(*refs):
+        # Inputs, outputs, scratch (`plan.scratch_types()`); the entropy's refs only with `entropy`.
+        ins, outs, scratch = refs[:n_in], refs[n_in : n_in + n_res], refs[n_in + n_res :]
+        if not entropy:
+            ins, outs = (ins[0], ins[1], None, *ins[2:]), (*outs, None)
+        r0 = lax.axis_index("rows") * br
+        fold_row_block(plan, ins, outs, scratch, r0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((n_out,), F32),) * n_res,
+        scratch_types=plan.scratch_types(),
+        grid=(-(-n_out // br),),
+        grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
+        **kw,
+    )
+
+
+def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
+    """The staged fold of rows [r0, r0 + plan.rows) by one warpgroup (module docstring).
+
+    ins: GMEM refs (mT, sT, aT or None, z_t or ztT (with `plan.zt_splits`), targets, inv_t),
+    the partials split-major [n_split, >= r0 + rows]; outs: GMEM refs (logp, lse, entropy or
+    None), [>= r0 + rows] (TMA clips a store past them); scratch: refs of
+    `plan.scratch_types()`, in order. Every rounded op of a row is the contract's fold
+    (`detlogp_jax.oracle.fold`) on the same operands in the same order, whatever r0 and
+    whichever kernel calls it; rows are independent. Issues its own TMA copies and awaits them,
+    and ends with its stores complete (`wait_smem_to_gmem(0)`)."""
+    n_split, br, g_n, chunk, unroll = plan.n_split, plan.rows, plan.g_n, plan.chunk, plan.unroll
+    n_chunks, n_full, shape = plan.n_chunks, plan.n_full, plan.shape
+    vocab_size, interpret, entropy, zt_splits = plan.vocab_size, plan.interpret, plan.entropy, plan.zt_splits
     layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
     blk = _InterpretBlocks(g_n) if interpret else _SmemBlocks(layout, shape)
-
     load, cast = interpret_utils.load_and_cast(layout, interpret)
 
     def sync():
@@ -248,201 +355,167 @@ def _build_staged(
         # not each cost two warpgroup barriers.)
         plgpu.commit_smem()
 
-    def kernel(*refs):
-        # Inputs, outputs, scratch (`scratch` below); the entropy's refs only with `entropy`.
-        a_ref = h_ref = a_s = o_h = bar_a = None
-        zt_s = bar_z = None
-        if zt_splits:  # the captures' SMEM copy and its barriers come last
-            refs, (zt_s, bar_z) = refs[:-2], refs[-2:]
-        if entropy:
-            (m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref, h_ref) = refs[:9]
-            (m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in) = refs[9:]
-        else:
-            (m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref) = refs[:7]
-            (m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in) = refs[7:]
-        r0 = lax.axis_index("rows") * br
-        cols = pl.ds(r0, br)
+    (m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref), (logp_ref, lse_ref, h_ref) = ins, outs
+    a_s = o_h = bar_a = zt_s = bar_z = None
+    if zt_splits:  # the captures' SMEM copy and its barriers come last
+        scratch, (zt_s, bar_z) = scratch[:-2], scratch[-2:]
+    if entropy:
+        (m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in) = scratch
+    else:
+        (m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in) = scratch
+    cols = pl.ds(r0, br)
 
-        def chunk_splits(c):
-            return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
+    def chunk_splits(c):
+        return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
 
-        # All copies are issued up front: row inputs (tiny), all of m, all of s.
-        row_inputs = (
-            ((tgt_ref, t_in), (invt_ref, i_in)) if zt_splits else ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in))
-        )
-        for src, dst in row_inputs:
-            plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
+    # All copies are issued up front: row inputs (tiny), all of m, all of s.
+    row_inputs = (
+        ((tgt_ref, t_in), (invt_ref, i_in)) if zt_splits else ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in))
+    )
+    for src, dst in row_inputs:
+        plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
+    for c in range(n_chunks):
+        plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
+    for c in range(n_chunks):
+        plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
+    if entropy:
         for c in range(n_chunks):
-            plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
+            plgpu.copy_gmem_to_smem(a_ref.at[chunk_splits(c), cols], a_s.at[chunk_splits(c)], bar_a.at[c])
+    if zt_splits:
         for c in range(n_chunks):
-            plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
-        if entropy:
-            for c in range(n_chunks):
-                plgpu.copy_gmem_to_smem(a_ref.at[chunk_splits(c), cols], a_s.at[chunk_splits(c)], bar_a.at[c])
-        if zt_splits:
-            for c in range(n_chunks):
-                plgpu.copy_gmem_to_smem(zt_ref.at[chunk_splits(c), cols], zt_s.at[chunk_splits(c)], bar_z.at[c])
+            plgpu.copy_gmem_to_smem(zt_ref.at[chunk_splits(c), cols], zt_s.at[chunk_splits(c)], bar_z.at[c])
 
-        def over_chunks(bars, full_steps, last_step, carry):
-            """Steps of G splits in ascending order, chunk by chunk (each after its
-            copy landed; `bars`: one barrier array or a tuple of them, all awaited):
-            full_steps(j0, count, carry) runs `count` full steps from
-            split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
-            bars = bars if isinstance(bars, tuple) else (bars,)
+    def over_chunks(bars, full_steps, last_step, carry):
+        """Steps of G splits in ascending order, chunk by chunk (each after its
+        copy landed; `bars`: one barrier array or a tuple of them, all awaited):
+        full_steps(j0, count, carry) runs `count` full steps from
+        split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
+        bars = bars if isinstance(bars, tuple) else (bars,)
 
-            def chunk_body(c, carry):
-                for b in bars:
-                    plgpu.barrier_wait(b.at[c])
-                return full_steps(c * chunk, chunk // g_n, carry)
+        def chunk_body(c, carry):
+            for b in bars:
+                plgpu.barrier_wait(b.at[c])
+            return full_steps(c * chunk, chunk // g_n, carry)
 
-            if n_full:
-                carry = lax.fori_loop(0, n_full, chunk_body, carry)
-            if n_chunks > n_full:
-                for b in bars:
-                    plgpu.barrier_wait(b.at[n_full])
-                j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
-                if count:
-                    carry = full_steps(j0, count, carry)
-                if n_split % g_n:
-                    carry = last_step(j0 + count * g_n, n_split % g_n, carry)
-            return carry
+        if n_full:
+            carry = lax.fori_loop(0, n_full, chunk_body, carry)
+        if n_chunks > n_full:
+            for b in bars:
+                plgpu.barrier_wait(b.at[n_full])
+            j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
+            if count:
+                carry = full_steps(j0, count, carry)
+            if n_split % g_n:
+                carry = last_step(j0 + count * g_n, n_split % g_n, carry)
+        return carry
 
-        def zt_or(zt_s, bar_z):
-            """The row's z_t: the OR of its captures' bits (`zt_from_splits`), each group over
-            its splits j = g, g + G, ... (a loop of [G, rows] views), then across the G groups
-            through x2 (free again: every thread passed the syncs after the max exchange)."""
-            for c in range(n_chunks):
-                plgpu.barrier_wait(bar_z.at[c])
-            bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
-            n_whole = n_split // g_n
+    def zt_or(zt_s, bar_z):
+        """The row's z_t: the OR of its captures' bits (`zt_from_splits`), each group over
+        its splits j = g, g + G, ... (a loop of [G, rows] views), then across the G groups
+        through x2 (free again: every thread passed the syncs after the max exchange)."""
+        for c in range(n_chunks):
+            plgpu.barrier_wait(bar_z.at[c])
+        bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+        n_whole = n_split // g_n
 
-            def step(u, acc):
-                return acc | bits(load(zt_s.at[pl.ds(u * g_n, g_n)]))
+        def step(u, acc):
+            return acc | bits(load(zt_s.at[pl.ds(u * g_n, g_n)]))
 
-            acc = lax.fori_loop(0, n_whole, step, cast(jnp.zeros(shape, jnp.int32)))
-            if n_split % g_n:  # the partial last step: groups past n_split hold no capture
-                group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
-                last = bits(load(zt_s.at[pl.ds(n_whole * g_n, g_n)]))
-                acc = acc | jnp.where(group < n_split % g_n, last, jnp.int32(0))
-            as_f32 = lax.bitcast_convert_type(acc, F32)
-            x2.at[pl.ds(0, g_n)][...] = as_f32
-            x2.at[pl.ds(g_n, g_n)][...] = as_f32
-            sync()
-            for d in range(1, g_n):
-                acc = acc | bits(load(x2.at[pl.ds(d, g_n)]))
-            return lax.bitcast_convert_type(acc, F32)
-
-        # Pass 1: per group, the exact max over its splits (from -inf, which
-        # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
-        def max_last(j0, n_valid, pm):
+        acc = lax.fori_loop(0, n_whole, step, cast(jnp.zeros(shape, jnp.int32)))
+        if n_split % g_n:  # the partial last step: groups past n_split hold no capture
             group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
-            x = jnp.where(group < n_valid, load(m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
-            return jnp.maximum(pm, x)
-
-        pm = over_chunks(
-            bar_m,
-            lambda j0, k, pm: blk.max(m_s.at[pl.ds(j0, k * g_n)], k, pm),
-            max_last,
-            cast(jnp.full(shape, -jnp.inf, F32)),
-        )
-        # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
-        # (g, r), the partial max of group (g + d) mod G of row r.
-        x2.at[pl.ds(0, g_n)][...] = pm
-        x2.at[pl.ds(g_n, g_n)][...] = pm
+            last = bits(load(zt_s.at[pl.ds(n_whole * g_n, g_n)]))
+            acc = acc | jnp.where(group < n_split % g_n, last, jnp.int32(0))
+        as_f32 = lax.bitcast_convert_type(acc, F32)
+        x2.at[pl.ds(0, g_n)][...] = as_f32
+        x2.at[pl.ds(g_n, g_n)][...] = as_f32
         sync()
-        big_m = pm
         for d in range(1, g_n):
-            big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
+            acc = acc | bits(load(x2.at[pl.ds(d, g_n)]))
+        return lax.bitcast_convert_type(acc, F32)
 
-        plgpu.barrier_wait(bar_in)
-        invt = load(i_in)
-        ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
+    # Pass 1: per group, the exact max over its splits (from -inf, which
+    # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
+    def max_last(j0, n_valid, pm):
+        group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
+        x = jnp.where(group < n_valid, load(m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
+        return jnp.maximum(pm, x)
 
-        # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
-        # rewrites only what it read). A partial last step computes garbage in
-        # the missing groups, into SMEM rows past n_split that no chain of a
-        # g = 0 thread reads.
-        def terms(j0, count, carry):
+    pm = over_chunks(
+        bar_m,
+        lambda j0, k, pm: blk.max(m_s.at[pl.ds(j0, k * g_n)], k, pm),
+        max_last,
+        cast(jnp.full(shape, -jnp.inf, F32)),
+    )
+    # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
+    # (g, r), the partial max of group (g + d) mod G of row r.
+    x2.at[pl.ds(0, g_n)][...] = pm
+    x2.at[pl.ds(g_n, g_n)][...] = pm
+    sync()
+    big_m = pm
+    for d in range(1, g_n):
+        big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
+
+    plgpu.barrier_wait(bar_in)
+    invt = load(i_in)
+    ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
+
+    # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
+    # rewrites only what it read). A partial last step computes garbage in
+    # the missing groups, into SMEM rows past n_split that no chain of a
+    # g = 0 thread reads.
+    def terms(j0, count, carry):
+        sl = pl.ds(j0, count * g_n)
+        blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
+        return carry
+
+    if entropy:
+        # With the statistic: the A terms resc(A_j, S_j, m_j, M, w_j) too (from S_j before
+        # its term overwrites it), written over A_j.
+        def terms(j0, count, carry):  # noqa: F811
             sl = pl.ds(j0, count * g_n)
-            blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
+            blk.terms_entropy(m_s.at[sl], s_s.at[sl], a_s.at[sl], count, big_m, ops)
             return carry
 
-        if entropy:
-            # With the statistic: the A terms resc(A_j, S_j, m_j, M, w_j) too (from S_j before
-            # its term overwrites it), written over A_j.
-            def terms(j0, count, carry):  # noqa: F811
-                sl = pl.ds(j0, count * g_n)
-                blk.terms_entropy(m_s.at[sl], s_s.at[sl], a_s.at[sl], count, big_m, ops)
-                return carry
+        over_chunks((bar_s, bar_a), terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
+    else:
+        over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
+    sync()
 
-            over_chunks((bar_s, bar_a), terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
-        else:
-            over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
-        sync()
+    # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
+    def add_splits(j0, count, acc):
+        return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
 
-        # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
-        def add_splits(j0, count, acc):
-            return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
+    if entropy:  # both sums in the same ascending loop: acc = (S, A)
 
-        if entropy:  # both sums in the same ascending loop: acc = (S, A)
+        def add_splits(j0, count, acc):  # noqa: F811
+            view = pl.ds(j0, count + g_n - 1)
+            return blk.chain_entropy(s_s.at[view], a_s.at[view], count, acc, ops)
 
-            def add_splits(j0, count, acc):  # noqa: F811
-                view = pl.ds(j0, count + g_n - 1)
-                return blk.chain_entropy(s_s.at[view], a_s.at[view], count, acc, ops)
+    n_trips = n_split // unroll
+    acc = cast(jnp.zeros(shape, F32))
+    if entropy:
+        acc = (acc, cast(jnp.zeros(shape, F32)))
+    if n_trips:
+        acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
+    if n_split - n_trips * unroll:
+        acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
 
-        n_trips = n_split // unroll
-        acc = cast(jnp.zeros(shape, F32))
-        if entropy:
-            acc = (acc, cast(jnp.zeros(shape, F32)))
-        if n_trips:
-            acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
-        if n_split - n_trips * unroll:
-            acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
-
-        zt = zt_or(zt_s, bar_z) if zt_splits else load(z_in)
-        if entropy:
-            logp, lse, h = _epilogue(acc[0], big_m, zt, load(t_in), invt, ops, vocab_size, acc_a=acc[1])
-        else:
-            logp, lse = _epilogue(acc, big_m, zt, load(t_in), invt, ops, vocab_size)
-        o_l[...] = logp
-        o_s[...] = lse
-        if entropy:
-            o_h[...] = h
-        sync()
-        plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
-        plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
-        if entropy:
-            plgpu.copy_smem_to_gmem(o_h.at[0], h_ref.at[cols])
-        plgpu.wait_smem_to_gmem(0)
-
-    ent = lambda *x: x if entropy else ()  # the entropy's scratch, only with it
-    scratch = (
-        plgpu.SMEM((smem_rows, br), F32),  # m
-        plgpu.SMEM((smem_rows, br), F32),  # s, then the terms
-        *ent(plgpu.SMEM((smem_rows, br), F32)),  # A, then its terms
-        plgpu.SMEM((2 * g_n, br), F32),  # partial max exchange
-        plgpu.SMEM(shape, F32),  # z_t (row 0)
-        plgpu.SMEM(shape, jnp.int32),  # targets (row 0)
-        plgpu.SMEM(shape, F32),  # inv_t (row 0)
-        plgpu.SMEM(shape, F32),  # logp out (row 0 is stored)
-        plgpu.SMEM(shape, F32),  # lse out
-        *ent(plgpu.SMEM(shape, F32)),  # entropy out
-        plgpu.Barrier(num_barriers=n_chunks),
-        plgpu.Barrier(num_barriers=n_chunks),
-        *ent(plgpu.Barrier(num_barriers=n_chunks)),  # A's chunks
-        plgpu.Barrier(num_arrivals=2 if zt_splits else 3),  # the row inputs
-    )
-    if zt_splits:  # the captures [n_split rows, br] (rows past n_split: never read as captures)
-        scratch += (plgpu.SMEM((smem_rows, br), F32), plgpu.Barrier(num_barriers=n_chunks))
-    return plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((n_out,), F32),) * (3 if entropy else 2),
-        scratch_types=scratch,
-        grid=(-(-n_out // br),),
-        grid_names=("rows",),
-        compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
-        **kw,
-    )
+    zt = zt_or(zt_s, bar_z) if zt_splits else load(z_in)
+    if entropy:
+        logp, lse, h = _epilogue(acc[0], big_m, zt, load(t_in), invt, ops, vocab_size, acc_a=acc[1])
+    else:
+        logp, lse = _epilogue(acc, big_m, zt, load(t_in), invt, ops, vocab_size)
+    o_l[...] = logp
+    o_s[...] = lse
+    if entropy:
+        o_h[...] = h
+    sync()
+    plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
+    plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
+    if entropy:
+        plgpu.copy_smem_to_gmem(o_h.at[0], h_ref.at[cols])
+    plgpu.wait_smem_to_gmem(0)
 
 
 class _InterpretBlocks:

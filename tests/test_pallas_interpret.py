@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import fold_problem, handoff_variant, split_captures
+from tests.pallas_cases import entropy_fold_problem, fold_problem, handoff_variant, split_captures
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
@@ -153,6 +153,46 @@ def test_fold_split_counts_equal_oracle(n_split, knobs):
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     assert_bitwise_equal(np.asarray(logp), rl, "logp")
     assert_bitwise_equal(np.asarray(lse), rs, "lse")
+
+
+def test_fold_row_block_runs_inside_another_kernel():
+    """sm90_fold.fold_row_block (the staged fold's body, for the forward kernel's last CTA to
+    call): one warpgroup of a caller's kernel folds two 32-row blocks in reverse order, each in
+    its own `run_scoped` scratch of `plan.scratch_types()`, both with the entropy statistic:
+    logp / lse / entropy bytes equal oracle.fold / oracle.fold_entropy and `pk.fold` (the fold
+    kernel's launch) on every row, fold_problem's edge rows included."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels import interpret_utils, sm90_fold
+
+    n, ns, v = 64, 37, 1000
+    m, s, a, z_t, t, inv_t = entropy_fold_problem(n, ns, v, seed=4)
+    plan = sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=32, chunk=8, entropy=True)
+
+    def kernel(mT, sT, aT, z, tt, it, logp, lse, h):
+        for r0 in (32, 0):
+            pl.run_scoped(
+                lambda *scr, r0=r0: sm90_fold.fold_row_block(
+                    plan, (mT, sT, aT, z, tt, it), (logp, lse, h), scr, lax.convert_element_type(r0, jnp.int32)
+                ),
+                *plan.scratch_types(),
+            )
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((n,), jnp.float32),) * 3,
+        grid=(1,),
+        grid_names=("rows",),
+        compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
+        **interpret_utils.kernel_kwargs(True),
+    )
+    got = f(*(jnp.asarray(x.T) for x in (m, s, a)), jnp.asarray(z_t), jnp.asarray(t), jnp.asarray(inv_t))
+    want = (*oracle.fold(m, s, z_t, t, inv_t, v), oracle.fold_entropy(m, s, a))
+    launched = pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True)
+    for x, y, z, name in zip(got, want, launched, ("logp", "lse", "entropy")):
+        assert_bitwise_equal(np.asarray(x), np.asarray(y), name)
+        assert_bitwise_equal(np.asarray(x), np.asarray(z), name + " (pk.fold)")
 
 
 def _capture_edge_rows(z_t):
