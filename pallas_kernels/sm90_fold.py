@@ -227,7 +227,7 @@ class StagedPlan:
 
     rows (32 or 64) rows per warpgroup, G = 128 / rows split groups; `chunk` splits per TMA copy
     (raised by `staged_plan` so that one barrier array needs at most 32 barriers); `unroll`
-    splits per chain trip. No field but `entropy`, `zt_splits` and `vocab_size` changes a bit."""
+    splits per chain trip. rows, chunk, unroll and interpret change no bit (`tuning.FoldConfig`)."""
 
     n_split: int
     rows: int
@@ -284,7 +284,10 @@ class StagedPlan:
 
 
 def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=False, zt_splits=False) -> StagedPlan:
-    """The plan `_build_staged` launches; ValueError where the row block's partials do not fit in SMEM."""
+    """The plan `_build_staged` launches. Refuses what `tuning.FoldConfig` refuses (rows 32 or 64,
+    chunk a multiple of 128 / rows in (0, 256], unroll >= 1), and (ValueError) a row block whose
+    partials do not fit in SMEM."""
+    tuning.FoldConfig(rows=rows, chunk=chunk, unroll=unroll)  # the config's checks (bit-neutral fields)
     g_n = 128 // rows
     # One mbarrier per chunk and copy stream, and Mosaic tracks at most 32
     # barriers per array: raise chunk to the smallest that needs <= 32.

@@ -170,6 +170,9 @@ def test_fold_row_block_runs_inside_another_kernel():
     m, s, a, z_t, t, inv_t = entropy_fold_problem(n, ns, v, seed=4)
     plan = sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=32, chunk=8, entropy=True)
 
+    with pytest.raises(ValueError, match="rows must be 32 or 64"):
+        sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=48, chunk=8)
+
     def kernel(mT, sT, aT, z, tt, it, logp, lse, h):
         for r0 in (32, 0):
             pl.run_scoped(
