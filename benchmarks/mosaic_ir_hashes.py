@@ -30,6 +30,8 @@ gemm`, `backward dw gemm`), after every older line so that the older lines keep 
 `python -m benchmarks.mosaic_ir_hashes walk` prints those lines alone. After them (also with
 "base") the fourteenth session's fused-forward lines (`fused_hashes`: the fold forming z_t from
 the split captures, the unpadded-rows option's forward and fold); `... fused` prints them alone.
+`python -m benchmarks.mosaic_ir_hashes fold` prints the four fold lines of "base" and "entropy"
+alone (with `fused`: every fold module, the guard of a change to `sm90_fold` only).
 """
 
 from __future__ import annotations
@@ -248,10 +250,11 @@ def fused_hashes():
 
 def main(argv=None):
     which = (sys.argv[1:] if argv is None else argv) or ["base", "entropy"]
-    bad = set(which) - {"base", "entropy", "walk", "fused"}
+    bad = set(which) - {"base", "entropy", "walk", "fused", "fold"}
     if bad:
         raise SystemExit(
-            f"usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk] [fused]; unknown {sorted(bad)}"
+            "usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk] [fused] [fold]; "
+            f"unknown {sorted(bad)}"
         )
     _capture_modules()
     gens = []
@@ -263,6 +266,8 @@ def main(argv=None):
             lambda: fold_hashes(entropy=True),
             lambda: backward_hashes(entropy=True),
         ]
+    if "fold" in which and not {"base", "entropy"} & set(which):  # the fold lines of both sets alone
+        gens += [fold_hashes, lambda: fold_hashes(entropy=True)]
     if "base" in which or "walk" in which:  # "walk" alone: the in-place walk's lines only
         gens.append(walk_hashes)
     if "base" in which or "fused" in which:  # "fused" alone: the fourteenth session's lines only

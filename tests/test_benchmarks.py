@@ -475,6 +475,25 @@ def test_mosaic_ir_hashes_lowers_every_forward_variant_at_the_small_shape(monkey
             assert got[name] != got[name.replace("logits=False", "logits=True")], name
 
 
+def test_mosaic_ir_hashes_fold_selector_prints_the_fold_lines(monkeypatch, capsys):
+    """`python -m benchmarks.mosaic_ir_hashes fold` (the guard cited for sm90_fold's restructure):
+    exactly the four fold lines of the base and entropy sets, in their order, each a 16-hex
+    digest, all distinct; an unknown selector is refused."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from benchmarks import mosaic_ir_hashes as mh
+
+    monkeypatch.setattr(mh.mosaic_core, "_run_serde_pass", mh.mosaic_core._run_serde_pass)
+    monkeypatch.setattr(mh, "_captured", [])
+    mh.main(["fold"])
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split("  ", 1)[1] for line in lines]
+    assert names == ["fold staged", "fold {'staged': False}", "fold entropy staged", "fold entropy {'staged': False}"]
+    digests = [line.split("  ", 1)[0] for line in lines]
+    assert len(set(digests)) == 4 and all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
+    with pytest.raises(SystemExit, match="unknown"):
+        mh.main(["folds"])
+
+
 def test_call_overhead_times_each_lane(tmp_path):
     """benchmarks.experiments.call_overhead (the decode call's host / device split) runs its
     timing plumbing on the CPU (the GEMM lane of the tiny shape) and writes one JSON line per
