@@ -252,3 +252,21 @@ def make_ops(interpret: bool, layout_of: Callable[[tuple[int, ...]], object], so
     `source`: a runtime array of the kernel (interpret mode: seeds the opaque zero).
     """
     return InterpretOps(numerics.opaque_zero(source)) if interpret else PtxOps(layout_of)
+
+
+def fence(instr: str) -> None:
+    """Emits one PTX memory or proxy fence statement (e.g. "fence.acq_rel.gpu;") in every thread
+    of the calling warpgroup (GPU only: `inline_mgpu` has no interpret-mode rule). Used where
+    Mosaic GPU has no primitive for an ordering a kernel needs (`sm90_forward_ws`'s in-kernel
+    fold: the epilogue's plain partial stores before the grid semaphore's signal, and the
+    semaphore's acquire before the fold's TMA reads of other CTAs' partials)."""
+    if not (instr.startswith("fence.") and instr.endswith(";")):
+        raise ValueError(f"not one PTX fence statement: {instr!r}")
+
+    @plgpu.inline_mgpu()
+    def _emit(ctx):
+        from jax.experimental.mosaic.gpu import utils  # Lazy: lowering time only.
+
+        utils.inline_ptx(instr, has_side_effects=True)
+
+    _emit()

@@ -297,6 +297,27 @@ def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=
     return StagedPlan(n_split, rows, chunk, unroll, vocab_size, interpret, entropy, zt_splits)
 
 
+def kernel_plan(*, n_split, vocab_size, interpret, cfg=None, entropy=False) -> StagedPlan | None:
+    """The plan of the staged fold that forms z_t from the split captures (`build(zt_splits=True)`)
+    under `cfg` (default `tuning.FOLD`), for a forward kernel that folds its own partials
+    (`sm90_forward_ws.build(fold=)`); None where that fold is not staged (cfg.staged False, or
+    the partials of a row block do not fit in shared memory)."""
+    cfg = config(cfg)
+    if not (cfg.staged and staged_fits(n_split, cfg.rows, entropy, True)):
+        return None
+    unroll = CHAIN_UNROLL if cfg.unroll is None else cfg.unroll
+    return staged_plan(
+        n_split=n_split,
+        vocab_size=vocab_size,
+        interpret=interpret,
+        unroll=unroll,
+        rows=cfg.rows,
+        chunk=cfg.chunk,
+        entropy=entropy,
+        zt_splits=True,
+    )
+
+
 def _build_staged(
     *, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw, entropy=False, zt_splits=False, n_out=None
 ):

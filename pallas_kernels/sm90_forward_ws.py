@@ -64,12 +64,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common, interpret_utils, ptx_ops, tile_math, tuning
+from pallas_kernels import common, interpret_utils, ptx_ops, sm90_fold, tile_math, tuning
 from pallas_kernels.common import F32, TILE
 
 PRODUCER_REGISTERS = 24
@@ -119,6 +120,8 @@ def build(
     return_entropy: bool = False,
     row_tma: bool = False,
     h_box_rows: int | None = None,
+    fold: "sm90_fold.StagedPlan | None" = None,
+    fold_rows: int | None = None,
 ):
     """Builds the kernel (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
 
@@ -159,6 +162,22 @@ def build(
     stores it [n_local, n_pad] after z_t; the producer and wgmma warpgroups, the
     barriers, m, S, z_t and the logits are the same as without it. False builds exactly
     the kernel without the statistic.
+
+    fold (static, an experiment for decode; None builds exactly the kernel without it): a
+    `sm90_fold.StagedPlan` (zt_splits=True, entropy=return_entropy, n_split the head's splits):
+    the kernel also folds its own partials, as `pk.forward`'s second kernel does, and returns
+    logp, lse (and with the entropy h) [n_pad] after its other outputs; the partials are still
+    returned. Every CTA's epilogue warpgroup, once its partials are stored, fences and signals a
+    grid semaphore (`pl.get_global`, zeroed by the launch); after the pipeline's shared memory
+    is released (a second `run_scoped` scope over it, entered by every warpgroup), the last
+    CTA's epilogue warpgroup waits for all `num_ctas` signals, orders the async proxy after
+    them, and runs `sm90_fold.fold_row_block` on the first `fold_rows` rows (default n_pad;
+    rows past them are not written), one 32- or 64-row block after another in the same scratch,
+    reading the kernel's own split-major m / S / A / captures and its targets / inv_t inputs.
+    The same operations on the same operands as the fold kernel, so the same bytes. Interpret
+    mode has no `get_global`: it leaves the semaphore out and relies on its CTAs running one
+    after another in ascending order (the last CTA folds after every other stored). Only for an
+    unsharded head, one epilogue warpgroup, no cluster.
     """
     if not isinstance(cfg, tuning.WsForwardConfig):
         raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
@@ -198,6 +217,26 @@ def build(
         )
     sg = cfg.split_group
     producer = n_mma + n_epi
+    if fold is not None:
+        fold_rows = n_pad if fold_rows is None else fold_rows
+        if not (
+            fold.zt_splits
+            and fold.entropy == return_entropy
+            and fold.n_split == n_local
+            and j0 == 0
+            and geom.col_offset == 0
+            and n_epi == 1
+            and cl == 1
+            and n_pad % fold.rows == 0
+            and 1 <= fold_rows <= n_pad
+        ):
+            raise ValueError(
+                "the in-kernel fold needs an unsharded head (its plan's n_split = the kernel's "
+                f"{n_local} splits), zt_splits, the kernel's entropy setting, one epilogue warpgroup, no "
+                f"cluster and 1 <= fold_rows <= n_pad = a multiple of its rows; got {fold}, "
+                f"fold_rows={fold_rows}, n_pad={n_pad}, {tuning.describe(cfg)}"
+            )
+    n_fold_out = 0 if fold is None else (3 if return_entropy else 2)
     hb = cta_rows if h_box_rows is None else h_box_rows
     if h_box_rows is not None and not (h_box_rows % 8 == 0 and 0 < h_box_rows < cta_rows and n_rb == 1 and cl == 1):
         raise ValueError(
@@ -218,6 +257,9 @@ def build(
         h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out, a_out = common.unpack_refs(
             refs, has_bias, return_logits, return_entropy
         )
+        fold_outs = tuple(refs[len(refs) - n_fold_out :]) if fold is not None else ()
+        # The grid semaphore of the in-kernel fold (zeroed for every launch; the wait leaves it at 0).
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if fold is not None and not interpret else None
 
         scoped = dict(
             h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
@@ -549,10 +591,34 @@ def build(
                 lax.fori_loop(0, n_mine, item_body, 0)
                 if return_logits:
                     plgpu.wait_smem_to_gmem(0)
+                if sem is not None:
+                    # The last-block pattern: every thread's partial stores ordered at GPU scope,
+                    # then (a warpgroup barrier) one thread's signal.
+                    ptx_ops.fence("fence.acq_rel.gpu;")
+                    plgpu.commit_smem()
+                    pl.semaphore_signal(sem, 1)
 
+        if fold is not None:
+            # A second scope over the pipeline's shared memory (its entry waits for every
+            # warpgroup): the fold's buffers and barriers.
+            def _fold_scope(*scratch):
+                @pl.when((lax.axis_index("wg") == n_mma) & (lax.axis_index("cta") == n_clusters - 1))
+                def _fold():
+                    if sem is not None:
+                        pl.semaphore_wait(sem, num_ctas)  # every CTA's partials are stored
+                        ptx_ops.fence("fence.proxy.async.global;")  # before TMA reads them
+                    ins = (m_out, s_out, a_out, zt_out, tgt_gmem, invt_gmem)
+                    outs = fold_outs if return_entropy else (*fold_outs, None)
+                    for r0 in range(0, fold_rows, fold.rows):
+                        sm90_fold.fold_row_block(fold, ins, outs, scratch, r0)
+
+            pl.run_scoped(_fold_scope, *fold.scratch_types(), collective_axes="wg")
+
+    out_type = common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols, return_entropy)
+    out_type += (jax.ShapeDtypeStruct((n_pad,), F32),) * n_fold_out
     return plgpu.kernel(
         kernel,
-        out_type=common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols, return_entropy),
+        out_type=out_type,
         grid=(n_clusters,),
         grid_names=("cta",),
         **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),

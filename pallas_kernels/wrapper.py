@@ -44,6 +44,8 @@ _STATIC = (
     "interpret_params",
     "lg_rows",
     "weight_layout",
+    "fold",
+    "fold_rows",
     "return_entropy",
     "row_tma",
 )
@@ -134,6 +136,7 @@ def _launch(
     weight_layout: str = "vd",
     return_entropy: bool = False,
     unpadded: bool = False,
+    fold_in_kernel: "tuning.FoldConfig | None" = None,
 ):
     """One forward launch for the local shard (`partials` and `forward` present its result).
 
@@ -184,6 +187,12 @@ def _launch(
         them with zeros) instead of copies padded to the kernel's rows (interpret mode: padded
         rows, the same kernel). The partials of the real rows are the same bytes; `targets_p` /
         `inv_t_p` are then those shorter arrays.
+      fold_in_kernel: a `tuning.FoldConfig` for `forward(single_launch=True)`: where the config
+        is an epilogue-warpgroup kernel with one epilogue warpgroup, the head is unsharded and
+        the fold of that config is staged (`sm90_fold.kernel_plan`), the forward kernel folds its
+        own partials (`sm90_forward_ws.build(fold=)`) and `folded` holds logp, lse (and the
+        entropy) over its padded rows; elsewhere `folded` is None (the caller folds). Not with
+        `unpadded`.
 
     Returns:
       a `_Launched`: m, s (and A) split-major over the padded rows, z_t (the
@@ -242,6 +251,19 @@ def _launch(
     if not 1 <= want_cols <= v_rows:
         raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
     lg_cols = tuning.logits_width(cfg, want_cols, v_rows, return_logits)  # else sliced after
+    fold_kw = {}
+    if fold_in_kernel is not None and not row_tma:
+        plan = sm90_fold.kernel_plan(
+            n_split=geom.n_local,
+            vocab_size=vocab_size,
+            interpret=interpret,
+            cfg=fold_in_kernel,
+            entropy=bool(return_entropy),
+        )
+        unsharded = geom.col_offset == 0 and geom.n_local == C.split_bounds(padded_vocab_size).n_split
+        ws_one = isinstance(cfg, tuning.WsForwardConfig) and cfg.epilogue_wgs == 1 and cfg.cluster == 1
+        if plan is not None and unsharded and ws_one and n_pad % plan.rows == 0:
+            fold_kw = {"fold": plan, "fold_rows": -(-n // plan.rows) * plan.rows}  # (whole row blocks)
     outs = _forward_core(
         *args,
         n_pad=n_pad,
@@ -258,7 +280,12 @@ def _launch(
         weight_layout=weight_layout,
         return_entropy=bool(return_entropy),
         **({"row_tma": True} if row_tma else {}),
+        **fold_kw,
     )
+    folded = None
+    if fold_kw:
+        k = 3 if return_entropy else 2
+        outs, folded = outs[:-k], outs[-k:]
     m_t, s_t, zt_t = outs[:3]
     a_t = outs[3] if return_entropy else None
     outs = outs[:3] + outs[4:] if return_entropy else outs  # the logits (if any) follow A
@@ -281,7 +308,7 @@ def _launch(
     local_tile = jnp.clip((tg - geom.col_offset) // TILE, 0, local_tiles - 1)
     owner = jnp.asarray(tile_to_split)[local_tile]
     z_t = jnp.where(owned, zt_t[owner, jnp.arange(n_pad)], jnp.asarray(0.0, F32))
-    return _Launched(n, m_t, s_t, a_t, z_t, owned, logits, targets_p, inv_t_p, zt_t)
+    return _Launched(n, m_t, s_t, a_t, z_t, owned, logits, targets_p, inv_t_p, zt_t, folded)
 
 
 class _Launched(NamedTuple):
@@ -289,7 +316,8 @@ class _Launched(NamedTuple):
     over the kernel's padded rows (m, s, a [n_local, n_pad]; z_t, owned and the padded
     targets / inv_t the kernel read [n_pad]; rows >= n are padding rows), the logits
     [n, want_cols] or None, and the kernel's raw target captures zt_t [n_local, n_pad] (z_t
-    is their owner's entry; XLA computes z_t only where it is used)."""
+    is their owner's entry; XLA computes z_t only where it is used), and with `fold_in_kernel`
+    the kernel's own fold (logp, lse[, entropy]) over its padded rows, or None."""
 
     n: int
     m_t: jax.Array
@@ -301,6 +329,7 @@ class _Launched(NamedTuple):
     targets_p: jax.Array
     inv_t_p: jax.Array
     zt_t: jax.Array
+    folded: tuple | None = None
 
 
 def partials(hidden, weight, bias, targets, inv_t, **kw):
@@ -313,7 +342,7 @@ def partials(hidden, weight, bias, targets, inv_t, **kw):
     return out + (r.a_t[:, :n].T,) if r.a_t is not None else out
 
 
-def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, **kw):
+def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, single_launch=False, **kw):
     """fold(partials(...)) of an unsharded head in one call: (logp [N], lse [N], logits or None,
     entropy [N] or None (with return_entropy=True)), the same bytes as
     `sm90_fold.fold(*partials(...)[:3], targets, inv_t, vocab_size, a=...)` (the same two
@@ -330,8 +359,18 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     took 316 us with it against 280 without (trace, benchmarks/results/h200_2026-12-02d/
     call4_trace_m1_pallas.log), more than the pads and slices it removes; the cause was not
     looked for);
-    fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`)."""
-    r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, **kw)
+    fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`);
+    single_launch (an experiment for decode, off by default): where `_launch(fold_in_kernel=)`
+    can, the forward kernel folds its own partials (its last CTA, after a grid semaphore: one
+    launch instead of two), the same fold program on the same operands, so the same bytes;
+    elsewhere the two kernels as without it."""
+    if single_launch and kw.get("unpadded"):
+        raise ValueError("single_launch folds the padded rows: it does not take unpadded=True")
+    fold_in_kernel = sm90_fold.config(fold_cfg) if single_launch else None
+    r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, fold_in_kernel=fold_in_kernel, **kw)
+    if r.folded is not None:
+        logp, lse = r.folded[0][: r.n], r.folded[1][: r.n]
+        return logp, lse, r.logits, (r.folded[2][: r.n] if r.a_t is not None else None)
     out = sm90_fold.fold_transposed(
         r.m_t,
         r.s_t,

@@ -412,3 +412,33 @@ def test_unpadded_forward_equals_padded_forward(n, bucket):
     want = pk.forward(h, w, b, tj, ij, **kw)
     for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
         _same(got[i], want[i], f"{name} n={n} {bucket}")
+
+
+@pytest.mark.parametrize(
+    "n,bucket,num_ctas", [(1, "decode", 3), (70, "mid", 2), (70, "small", 2)], ids=["M1-decode", "M70-mid", "M70-small"]
+)
+def test_single_launch_forward_equals_two_kernels(n, bucket, num_ctas):
+    """pk.forward(single_launch=True) (the forward kernel's last CTA folds every CTA's partials
+    itself: `sm90_forward_ws.build(fold=)`, `sm90_fold.fold_row_block` over its row blocks in one
+    scratch) == the default two launches byte for byte: logp, lse, entropy, logits, with bias,
+    per-row T and _problem's edge targets; with and without the statistic. Interpret mode runs
+    the grid's CTAs in ascending order, so the last one folds after every other stored (the
+    semaphore is the H200's to check). The wgmma bucket ("small") has no in-kernel fold: the
+    option leaves it two launches, the same bytes."""
+    from pallas_kernels import wrapper
+
+    d, v, vl, vp = 128, 328, 384, 512
+    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=9)
+    tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
+    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=num_ctas, bucket=bucket)
+    for ent in (True, False):
+        kw.update(return_entropy=ent, return_logits=ent, logits_cols=v if ent else None)
+        got = pk.forward(h, w, b, tj, ij, single_launch=True, **kw)
+        want = pk.forward(h, w, b, tj, ij, **kw)
+        for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
+            if want[i] is not None:
+                _same(got[i], want[i], f"{name} n={n} {bucket} entropy={ent}")
+        launched = wrapper._launch(h, w, b, tj, ij, fold_in_kernel=tuning.FOLD, **kw)
+        assert (launched.folded is None) == (bucket == "small"), bucket
+    with pytest.raises(ValueError, match="unpadded"):
+        pk.forward(h, w, b, tj, ij, single_launch=True, unpadded=True, **kw)

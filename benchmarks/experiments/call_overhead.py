@@ -23,8 +23,11 @@ above the trace's busy time at M=4096 (31.35 vs 29.49 ms; the four cuBLAS GEMMs 
 (`pallas_kernels.forward` on rows already padded to the kernel's row count: no pads, no
 output slices; the z_t selection and the fold remain) and `kernel` (the forward kernel alone on
 pre-padded operands, `kernel_timing.kernel_fn`). trainer - padded is the glue's share, padded
-- kernel the fold's and z_t's. One JSON line per lane and M. The trainer's logp / lse bytes
-equal the padded lane's first rows (printed: a restructure check, not a contract check).
+- kernel the fold's and z_t's. `single` is `padded` with `pk.forward(single_launch=True)` (the
+forward kernel folds its own partials: one launch; seventeenth session). One JSON line per lane
+and M. The trainer's logp / lse bytes equal the padded lane's first rows, and the single
+launch's the padded lane's (all rows) in two of its calls (printed: restructure checks, not
+contract checks).
 """
 
 from __future__ import annotations
@@ -119,15 +122,25 @@ def lanes_for(shape, m: int, names) -> dict:
             got[name] = lambda f=f: f(hidden, weight, targets)
         elif FLAGS.mode != "fwd":
             raise SystemExit(f"the {name} lane is a forward (--mode fwd)")
-        elif name == "padded":
+        elif name in ("padded", "single"):
             cfg = tuning.select_bucket(m, None)
             n_pad = tuning.padded_rows(m, cfg)
             h_p = jnp.pad(hidden, ((0, n_pad - m), (0, 0)))
             t_p = jnp.pad(targets, (0, n_pad - m), constant_values=C.IGNORE_INDEX)
             inv_t = jnp.ones((n_pad,), jnp.float32)
+            single = name == "single"
 
-            def padded(h, w, t, it):
-                logp, lse, _, _ = pk.forward(h, w, None, t, it, vocab_size=shape.v_real, padded_vocab_size=shape.v_rows)
+            def padded(h, w, t, it, single=single):
+                logp, lse, _, _ = pk.forward(
+                    h,
+                    w,
+                    None,
+                    t,
+                    it,
+                    vocab_size=shape.v_real,
+                    padded_vocab_size=shape.v_rows,
+                    single_launch=single,
+                )
                 return {"logp": logp, "lse": lse}
 
             f = jax.jit(padded).lower(h_p, weight, t_p, inv_t).compile()
@@ -163,6 +176,15 @@ def main(argv):
             if FLAGS.out:
                 with open(FLAGS.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+        if "single" in outs and "padded" in outs:
+            again = calls["single"]()
+            for k in ("logp", "lse"):
+                want = np.asarray(outs["padded"][k], np.float32).view(np.uint32)
+                for i, got in enumerate((outs["single"], again)):
+                    g = np.asarray(got[k], np.float32).view(np.uint32)
+                    print(
+                        f"M={m} {k}: single launch (call {i + 1}) rows differing from padded: {int((g != want).sum())}"
+                    )
         if "trainer" in outs and "padded" in outs and FLAGS.mode == "fwd":
             for k in ("logp", "lse"):
                 a = np.asarray(outs["trainer"][k], np.float32)
