@@ -56,14 +56,18 @@ _captured: list[str] = []
 
 
 def _capture_modules():
-    """Records each Mosaic module (no locations) as it is serialized into the custom call."""
+    """Records each Mosaic module (no locations) as it is serialized into the custom call (once
+    per module however often it is called: the patch is installed once)."""
     original = mosaic_core._run_serde_pass
+    if getattr(original, "_records_modules", False):
+        return
 
     def run_serde_pass(module, *args, **kwargs):
         if kwargs.get("serialize"):
             _captured.append(module.operation.get_asm(enable_debug_info=False))
         return original(module, *args, **kwargs)
 
+    run_serde_pass._records_modules = True
     mosaic_core._run_serde_pass = run_serde_pass
 
 

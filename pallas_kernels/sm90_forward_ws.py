@@ -333,6 +333,14 @@ def build(
                 if not interpret and n != launch:
                     plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
 
+            def restore_registers(n):
+                # With the in-kernel fold the warpgroups meet again after their roles (the fold's
+                # scope): each first returns to the launch count, the count ptxas compiled the
+                # whole kernel for, so that no warpgroup runs the code after the roles with fewer
+                # registers than it was compiled for (a producer left at 24 would).
+                if fold is not None and not interpret and n != launch:
+                    plgpu.set_max_registers(launch, action="increase" if launch > n else "decrease")
+
             @pl.when(wg == producer)
             def _producer():
                 set_registers(reg_producer)
@@ -377,6 +385,7 @@ def build(
                 # Observe the releases of the last `stages` slots (no barrier phase is left unobserved).
                 for q in range(stages):
                     plgpu.barrier_wait(empty.at[lax.rem(step + q, stages)])
+                restore_registers(reg_producer)
 
             @pl.when(wg < n_mma)
             def _wgmma():
@@ -437,6 +446,8 @@ def build(
 
                     lax.fori_loop(0, n_mine, item_body, (acc_ref, jnp.int32(0)))
                     plgpu.barrier_wait(dump_empty.at[wg])  # the last hand-back (no phase left unobserved)
+
+                restore_registers(reg_mma)
 
             @pl.when((wg >= n_mma) & (wg < producer))
             def _epilogue():
@@ -597,6 +608,7 @@ def build(
                     ptx_ops.fence("fence.acq_rel.gpu;")
                     plgpu.commit_smem()
                     pl.semaphore_signal(sem, 1)
+                restore_registers(reg_epi)
 
         if fold is not None:
             # A second scope over the pipeline's shared memory (its entry waits for every

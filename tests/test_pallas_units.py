@@ -21,7 +21,7 @@ from detlogp_jax import contract as C
 from detlogp_jax import numerics, oracle
 
 pk = pytest.importorskip("pallas_kernels")
-from pallas_kernels import common, ptx_ops, ptx_programs, tile_math, tuning  # noqa: E402
+from pallas_kernels import common, ptx_ops, ptx_programs, sm90_forward_ws, tile_math, tuning  # noqa: E402
 from tests.pallas_cases import handoff_variant  # noqa: E402
 
 
@@ -720,6 +720,47 @@ def test_forward_has_no_xla_glue_where_the_rows_do_not_fill_the_kernel(n, bucket
     padded = _forward_ops(n, bucket, unpadded=False)
     assert "pad" in padded and "slice" in padded and "gather" not in padded, padded
     assert _forward_ops(n, bucket) == padded  # the default: padded rows (faster at M=1 on the H200)
+
+
+@pytest.mark.parametrize("n,entropy", [(1, False), (64, True)])
+def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
+    """pk.forward(single_launch=True) at the Qwen3-8B head (decode bucket) lowers for CUDA as one
+    Mosaic kernel (the fold inside the forward kernel: no second custom call), whose module has
+    the grid semaphore's release-add and acquire spin for all of the launch's CTAs, the fences
+    around them, and every warpgroup back at the launch's register count before the fold's
+    scope (setmaxnreg to it after each role); the default call is two kernels."""
+    from benchmarks import mosaic_ir_hashes as mh
+
+    d, v, vp = 4096, 151936, 152064
+    args = [
+        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((vp, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    ]
+
+    def lower(single):
+        def f(h, w, t, it):
+            out = pk.forward(
+                h, w, None, t, it, vocab_size=v, padded_vocab_size=vp, return_entropy=entropy, single_launch=single
+            )
+            return out[0], out[1]
+
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    mh._capture_modules()
+    start = len(mh._captured)
+    txt = lower(True)
+    assert txt.count("stablehlo.custom_call") == 1
+    [module] = mh._captured[start:]
+    ctas = tuning.persistent_ctas(64, 264, tuning.BUCKETS["decode"], tuning.default_num_sms())
+    assert "red.release.sys.global.add.u32" in module and "atom.relaxed.sys.global.cas.b32" in module
+    assert re.search(rf"scf.while \(%arg\d+ = %c{ctas}_i32", module), "the wait counts every CTA"
+    assert "fence.acq_rel.gpu;" in module and "fence.proxy.async.global;" in module
+    launch = sm90_forward_ws.launch_registers(3)
+    assert module.count(f"setmaxnreg.inc.sync.aligned.u32 {launch};") == 2  # producer, wgmma warpgroup
+    assert module.count(f"setmaxnreg.dec.sync.aligned.u32 {launch};") == 1  # epilogue warpgroup
+    assert lower(False).count("stablehlo.custom_call") == 2
 
 
 _ENTROPY_VARIANTS = [
