@@ -13,7 +13,11 @@ is reported as one, and the later checks still run:
   on this GPU at all;
 * `forward_m1`, `forward_m64`, `forward_m1_entropy`: the Qwen3-8B head at M rows, single launch
   vs the default two launches: rows differing in logp / lse (/ entropy) bytes, in two calls of
-  the single launch (a race would show as run-to-run differences).
+  the single launch (a race would show as run-to-run differences);
+* `forward_m1_nowait` (a suffix to any forward check): the same with `pl.semaphore_wait` made a
+  no-op in that process, so the last CTA folds without waiting: if this runs where the full
+  check hangs, the hang is the semaphore's; its bytes may differ (nothing orders the fold
+  after the other CTAs' stores), which is why the wait is there.
 
 One JSON line per check (`status` ok / hang / error, seconds, rows differing).
 """
@@ -32,7 +36,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checks", "semaphore,forward_m1,forward_m64,forward_m1_entropy", "Comma-separated checks.")
+flags.DEFINE_string(
+    "checks", "semaphore,forward_m1,forward_m1_nowait,forward_m64,forward_m1_entropy", "Comma-separated checks."
+)
 flags.DEFINE_integer("limit_s", 90, "Seconds each check may take (compile included) before it counts as a hang.")
 flags.DEFINE_string("out", None, "Append one JSON line per check here.")
 flags.DEFINE_string("child", None, "(internal) run this one check in this process.")
@@ -118,6 +124,11 @@ def _run_child(name: str) -> dict:
         return _semaphore()
     if name.startswith("forward_m"):
         rest = name[len("forward_m") :]
+        if rest.endswith("_nowait"):
+            from jax.experimental import pallas as pl
+
+            pl.semaphore_wait = lambda *args, **kwargs: None  # (this process only)
+            rest = rest.removesuffix("_nowait")
         entropy = rest.endswith("_entropy")
         return _forward(int(rest.removesuffix("_entropy")), entropy)
     raise SystemExit(f"unknown check {name!r}")

@@ -23,6 +23,10 @@
 #             decode15: the decode kernel with unpadded rows / an 8-row hidden box; stagger15: the
 #             prefill / mid kernel with staggered wgmma warpgroups, M = 512 .. 16384, PROBE_LIMIT_S=300;
 #             pass1_8 is at 14e5aad)
+#   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
+#             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
+#             under SINGLE_LIMIT_S (default 90) so that a hang is reported; then, if SINGLE_TIME=1,
+#             benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single
 #   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
 #             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
 #             head, M = 1, 65, 4096, every bucket, and linear_logp (~2 min per M; FUSED_K=M4096 selects one)
@@ -62,6 +66,13 @@ if [[ $STAGES == *,trace,* ]]; then
 fi
 if [[ $STAGES == *,probe,* ]]; then
   TAILN=40 stage "probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _)" ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _).jsonl"
+fi
+if [[ $STAGES == *,single,* ]]; then
+  SL=${SINGLE_LIMIT_S:-90}
+  TAILN=12 stage single_launch_check $((SL * 5 + 30)) python3 -m benchmarks.experiments.single_launch_check --limit_s "$SL" ${SINGLE_CHECKS:+--checks "$SINGLE_CHECKS"} --out "$OUT/single_launch_check.jsonl"
+  if [[ ${SINGLE_TIME:-0} == 1 ]]; then
+    TAILN=12 stage single_launch_time 200 python3 -m benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single --samples 9 --out "$OUT/single_launch_time.jsonl"
+  fi
 fi
 if [[ $STAGES == *,fused,* ]]; then
   TAILN=8 stage pytest_fused_forward ${FUSED_LIMIT_S:-400} python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward${FUSED_K:+ and ($FUSED_K)}"
