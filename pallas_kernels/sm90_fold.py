@@ -282,6 +282,25 @@ class StagedPlan:
             scratch += (plgpu.SMEM((sm, br), F32), plgpu.Barrier(num_barriers=n_chunks))
         return scratch
 
+    def _is_barrier(self) -> tuple[bool, ...]:
+        barrier = type(plgpu.Barrier(num_arrivals=1))
+        return tuple(isinstance(t, barrier) for t in self.scratch_types())
+
+    def smem_types(self) -> tuple:
+        """The shared-memory buffers of `scratch_types()`, in order (for a caller that reserves the
+        barriers in another scope: `merge_scratch`)."""
+        return tuple(t for t, b in zip(self.scratch_types(), self._is_barrier()) if not b)
+
+    def barrier_types(self) -> tuple:
+        """The barriers of `scratch_types()`, in order."""
+        return tuple(t for t, b in zip(self.scratch_types(), self._is_barrier()) if b)
+
+    def merge_scratch(self, smem, barriers) -> tuple:
+        """The refs of `smem_types()` and `barrier_types()` interleaved back into `scratch_types()`'s
+        order, as `fold_row_block` takes them."""
+        smem, barriers = iter(smem), iter(barriers)
+        return tuple(next(barriers) if b else next(smem) for b in self._is_barrier())
+
 
 def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=False, zt_splits=False) -> StagedPlan:
     """The plan `_build_staged` launches. Refuses what `tuning.FoldConfig` refuses (rows 32 or 64,

@@ -261,370 +261,384 @@ def build(
         # The grid semaphore of the in-kernel fold (zeroed for every launch; the wait leaves it at 0).
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if fold is not None and not interpret else None
 
-        scoped = dict(
-            h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
-            # A ring slot holds the weight's block in the weight's layout ("dv": [tile_k, 64 w]).
-            w_smem=plgpu.SMEM(
-                (stages, tile_k, gcols) if dv else (stages, gcols, tile_k), jnp.bfloat16, transforms=transforms
-            ),
-            # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
-            # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
-            # layout's 8-byte accesses of a warp cover 256 contiguous bytes), or with
-            # handoff="swizzled" as two [bm, 32] halves in 128B-swizzled rows (the layout
-            # a TMA store reads and WGMMA-layout registers reach without bank conflicts;
-            # only whole halves load, the epilogue slices them in registers).
-            dump=(
-                plgpu.SMEM(
-                    (n_mma, w, 2, bm, 32),
-                    F32,
-                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
-                )
-                if swz
-                else plgpu.SMEM((n_mma, w, 8, bm, 8), F32)
-            ),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
-            # cluster are done with it (the peer's multicast writes into it too).
-            empty=(
-                plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=n_mma, num_barriers=stages)
-                if cl > 1
-                else plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages)
-            ),
-            dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
-            dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
-        )
-        if lag:  # the first wgmma warpgroup's signal that the second may start
-            scoped.update(stagger=plgpu.Barrier(num_arrivals=1, num_barriers=1))
-        if row_tma:  # each hand-off buffer's targets / inv_t rows; one barrier per epilogue warpgroup
-            scoped.update(
-                rows_t=plgpu.SMEM((n_mma, bm), jnp.int32),
-                rows_i=plgpu.SMEM((n_mma, bm), F32),
-                rows_bar=plgpu.Barrier(num_arrivals=2 * per_epi, num_barriers=n_epi),
-            )
-
-        @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-        def _scope(
-            h_smem,
-            w_smem,
-            dump,
-            full,
-            empty,
-            dump_full,
-            dump_empty,
-            stagger=None,
-            rows_t=None,
-            rows_i=None,
-            rows_bar=None,
-        ):
-            wg = lax.axis_index("wg")
-            cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
-            n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
-
-            def item(li):
-                js, rbc = common.work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
-                rb = rbc * cl + lax.axis_index("cluster") if cl > 1 else rbc
-                t0, t1 = common.split_tiles(geom, js + j0)
-                return js, rb, t0, t1
-
-            launch = launch_registers(producer + 1)
-
-            def set_registers(n):
-                # setmaxnreg.inc may only raise and .dec only lower the launch count.
-                if not interpret and n != launch:
-                    plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
-
-            def restore_registers(n):
-                # With the in-kernel fold the warpgroups meet again after their roles (the fold's
-                # scope): each first returns to the launch count, the count ptxas compiled the
-                # whole kernel for, so that no warpgroup runs the code after the roles with fewer
-                # registers than it was compiled for (a producer left at 24 would).
-                if fold is not None and not interpret and n != launch:
-                    plgpu.set_max_registers(launch, action="increase" if launch > n else "decrease")
-
-            @pl.when(wg == producer)
-            def _producer():
-                set_registers(reg_producer)
-                if h_box_rows is not None:  # rows past the box: zeros in every slot, written once
-                    for st in range(stages):
-                        h_smem.at[st][...] = jnp.zeros((cta_rows, tile_k), jnp.bfloat16)
-                    plgpu.commit_smem()  # before the async proxy (TMA, wgmma) touches the slots
-
-                def item_body(li, step):
-                    _, rb, t0, _ = item(li)
-                    row0, wrow0 = rb * cta_rows, t0 * TILE - c0  # wrow0: first weight row / column of the split
-
-                    def load_step(sk, step):
-                        g = sk // k_iters
-                        k = sk - g * k_iters
-                        slot = lax.rem(step, stages)
-                        plgpu.barrier_wait(empty.at[slot])
-                        # (The whole slot without a box: the module built before h_box_rows.)
-                        h_dst = h_smem.at[slot] if h_box_rows is None else h_smem.at[slot, pl.ds(0, hb)]
-                        plgpu.copy_gmem_to_smem(
-                            h_gmem.at[pl.ds(row0, hb), pl.ds(k * tile_k, tile_k)], h_dst, full.at[slot]
-                        )
-                        # Rows ("vd") / columns ("dv") past the weight's end (the last group of the last
-                        # split) read as zero (TMA fill). In a cluster both CTAs issue this same copy:
-                        # each loads half the block and multicasts it to both, and each CTA's
-                        # full[slot] awaits the whole block.
-                        if dv:
-                            w_block = w_gmem.at[pl.ds(k * tile_k, tile_k), pl.ds(wrow0 + g * gcols, gcols)]
-                        else:
-                            w_block = w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)]
-                        plgpu.copy_gmem_to_smem(
-                            w_block,
-                            w_smem.at[slot],
-                            full.at[slot],
-                            collective_axes="cluster" if cl > 1 else None,
-                        )
-                        return step + 1
-
-                    return lax.fori_loop(0, n_groups * k_iters, load_step, step)
-
-                step = lax.fori_loop(0, n_mine, item_body, jnp.int32(0))
-                # Observe the releases of the last `stages` slots (no barrier phase is left unobserved).
-                for q in range(stages):
-                    plgpu.barrier_wait(empty.at[lax.rem(step + q, stages)])
-                restore_registers(reg_producer)
-
-            @pl.when(wg < n_mma)
-            def _wgmma():
-                set_registers(reg_mma)
-                for st in range(stages):  # every slot starts free
-                    plgpu.barrier_arrive(empty.at[st])
-                if lag:
-
-                    @pl.when(wg == 1)
-                    def _wait_for_lead():
-                        plgpu.barrier_wait(stagger.at[0])
-
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
-                def _acc_scope(acc_ref):
-                    def k_step(k, carry):
-                        acc_ref, step = carry
-                        slot = lax.rem(step, stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        # B = the [K, N] view of the slot: the slot itself ("dv") or its transpose ("vd").
-                        w_tile = w_smem.at[slot] if dv else w_smem.at[slot].T
-                        plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_tile)
-                        if lag:
-
-                            @pl.when((wg == 0) & (step == lag - 1))
-                            def _lead():  # its first `lag` K slices are issued: the second may start
-                                plgpu.barrier_arrive(stagger.at[0])
-
-                        plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
-
-                        @pl.when(k > 0)
-                        def _release():
-                            plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-
-                        return acc_ref, step + 1
-
-                    def group(g, carry):
-                        acc_ref, step = lax.fori_loop(0, k_iters, k_step, carry)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-                        plgpu.barrier_wait(dump_empty.at[wg])
-                        z_all = acc_ref[...]
-                        for i in range(w):
-                            if swz:
-                                for hh in range(2):
-                                    c = i * TILE + 32 * hh
-                                    dump.at[wg, i, hh][...] = z_all[:, c : c + 32]
-                            else:
-                                for j in range(8):
-                                    dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
-                        common.zero_acc(acc_ref, bm, gcols, interpret)
-                        if return_logits and not has_bias:
-                            plgpu.commit_smem()  # the epilogue's TMA stores read these writes (with bias it rewrites and commits)
-                        plgpu.barrier_arrive(dump_full.at[wg])
-                        return acc_ref, step
-
-                    def item_body(li, carry):
-                        return lax.fori_loop(0, n_groups, group, carry)
-
-                    lax.fori_loop(0, n_mine, item_body, (acc_ref, jnp.int32(0)))
-                    plgpu.barrier_wait(dump_empty.at[wg])  # the last hand-back (no phase left unobserved)
-
-                restore_registers(reg_mma)
-
-            @pl.when((wg >= n_mma) & (wg < producer))
-            def _epilogue():
-                set_registers(reg_epi)
-                ep = wg - n_mma
-                bufs = [ep * per_epi + q for q in range(per_epi)]
-                for b in bufs:  # every hand-off buffer starts free
-                    plgpu.barrier_arrive(dump_empty.at[b])
-                row_cast = lambda x: cast(x, row_l, interpret)
-                tile_cast = lambda x: cast(x, tile_l, interpret)
-
-                def item_body(li, _):
-                    js, rb, t0, t1 = item(li)
-                    limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
-                    rows = [rb * cta_rows + b * bm for b in bufs]
-                    if row_tma:
-                        # Every thread has read the previous item's rows (a warpgroup barrier)
-                        # before TMA overwrites them; rows past the arrays arrive as zeros.
-                        plgpu.commit_smem()
-                        for b, r in zip(bufs, rows):
-                            plgpu.copy_gmem_to_smem(tgt_gmem.at[pl.ds(r, bm)], rows_t.at[b], rows_bar.at[ep])
-                            plgpu.copy_gmem_to_smem(invt_gmem.at[pl.ds(r, bm)], rows_i.at[b], rows_bar.at[ep])
-                        plgpu.barrier_wait(rows_bar.at[ep])
-                        tgts = [load(rows_t.at[b], row_l, interpret) for b in bufs]
-                        invts = [load(rows_i.at[b], row_l, interpret) for b in bufs]
-                    else:
-                        tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-                        invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
-                    ops = ptx_ops.make_ops(interpret, common.layout_of, source=invts[0])
-                    init = tuple(
-                        (
-                            row_cast(jnp.full((bm,), -jnp.inf, F32)),
-                            row_cast(jnp.zeros((bm,), F32)),
-                            row_cast(jnp.zeros((bm,), F32)),
-                        )
-                        + ((row_cast(jnp.zeros((bm,), F32)),) if return_entropy else ())  # A starts at +0
-                        for _ in bufs
+        def _body(fold_bars):
+            # (fold_bars: the in-kernel fold's barriers, reserved outside the pipeline's scope.)
+            scoped = dict(
+                h_smem=plgpu.SMEM((stages, cta_rows, tile_k), jnp.bfloat16, transforms=transforms),
+                # A ring slot holds the weight's block in the weight's layout ("dv": [tile_k, 64 w]).
+                w_smem=plgpu.SMEM(
+                    (stages, tile_k, gcols) if dv else (stages, gcols, tile_k), jnp.bfloat16, transforms=transforms
+                ),
+                # Hand-off buffer b: tile i as eight [bm, 8] column slices (dynamic tile and
+                # slice indices are leading-dimension indices; rows of 32 B, so the WGMMA
+                # layout's 8-byte accesses of a warp cover 256 contiguous bytes), or with
+                # handoff="swizzled" as two [bm, 32] halves in 128B-swizzled rows (the layout
+                # a TMA store reads and WGMMA-layout registers reach without bank conflicts;
+                # only whole halves load, the epilogue slices them in registers).
+                dump=(
+                    plgpu.SMEM(
+                        (n_mma, w, 2, bm, 32),
+                        F32,
+                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
                     )
+                    if swz
+                    else plgpu.SMEM((n_mma, w, 8, bm, 8), F32)
+                ),
+                full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                # With a cluster, a slot is free when the wgmma warpgroups of every CTA of the
+                # cluster are done with it (the peer's multicast writes into it too).
+                empty=(
+                    plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=n_mma, num_barriers=stages)
+                    if cl > 1
+                    else plgpu.Barrier(num_arrivals=n_mma, num_barriers=stages)
+                ),
+                dump_full=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+                dump_empty=plgpu.Barrier(num_arrivals=1, num_barriers=n_mma),
+            )
+            if lag:  # the first wgmma warpgroup's signal that the second may start
+                scoped.update(stagger=plgpu.Barrier(num_arrivals=1, num_barriers=1))
+            if row_tma:  # each hand-off buffer's targets / inv_t rows; one barrier per epilogue warpgroup
+                scoped.update(
+                    rows_t=plgpu.SMEM((n_mma, bm), jnp.int32),
+                    rows_i=plgpu.SMEM((n_mma, bm), F32),
+                    rows_bar=plgpu.Barrier(num_arrivals=2 * per_epi, num_barriers=n_epi),
+                )
 
-                    def tile_chain(q, b, g):
-                        def body(i, st):
-                            m, s, zt = st[:3]
-                            a = st[3] if return_entropy else None
-                            tile = t0 + g * w + i  # global tile index
-                            tcol0 = tile * TILE
-                            # z = fl(acc + b), written back in place: both chain passes and the logits read z.
-                            # "slices": each thread reads and rewrites the same addresses (the load and the
-                            # store use the same WGMMA layout), so no cross-thread hazard needs the barriers
-                            # that unsafe_no_auto_barriers removes. "swizzled": the same per-lane add on
-                            # [bm, 32] halves, but a swizzled half's load and store are evidently not one
-                            # thread's addresses (without barriers the H200's trainer entry read halves before
-                            # their bias was added; interpret mode cannot show it:
-                            # benchmarks/results/h200_2026-12-01e/call3_handoff_check.log), so every thread
-                            # reads both halves, a barrier, then the rewrites, a barrier (the commit also
-                            # orders them before the logits' TMA stores).
-                            n_parts, width = (2, 32) if swz else (8, 8)
+            @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+            def _scope(
+                h_smem,
+                w_smem,
+                dump,
+                full,
+                empty,
+                dump_full,
+                dump_empty,
+                stagger=None,
+                rows_t=None,
+                rows_i=None,
+                rows_bar=None,
+            ):
+                wg = lax.axis_index("wg")
+                cid = lax.axis_index("cta")  # the cluster (the CTA when cl == 1)
+                n_mine = (n_items - 1 - cid) // n_clusters + 1  # work items of this cluster: cid, cid + n_clusters, ...
 
-                            def biased(j):  # fl(z + b) of part j (a slice, or a swizzled half)
-                                bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
-                                zj = load(dump.at[b, i, j], tile_l, interpret)
-                                return tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width))))
+                def item(li):
+                    js, rbc = common.work_item(cid + li * n_clusters, n_local, n_rb // cl, sg)
+                    rb = rbc * cl + lax.axis_index("cluster") if cl > 1 else rbc
+                    t0, t1 = common.split_tiles(geom, js + j0)
+                    return js, rb, t0, t1
 
-                            if has_bias and not swz:
-                                for j in range(n_parts):
-                                    dump.at[b, i, j][...] = biased(j)
-                            elif has_bias:
-                                parts = [biased(j) for j in range(n_parts)]
-                                plgpu.commit_smem()  # every thread has read both halves
-                                for j in range(n_parts):
-                                    dump.at[b, i, j][...] = parts[j]
-                                plgpu.commit_smem()  # every half is rewritten before the chain (or a TMA store) reads it
-                            if return_logits:
+                launch = launch_registers(producer + 1)
 
-                                @pl.when(
-                                    (tile < t1) & (tcol0 - c0 < lg_cols)
-                                )  # padding tiles past the logits' width: none
-                                def _store():
-                                    if has_bias and not swz:  # (swizzled: committed above)
-                                        plgpu.commit_smem()
-                                    for j in range(n_parts):
+                def set_registers(n):
+                    # setmaxnreg.inc may only raise and .dec only lower the launch count.
+                    if not interpret and n != launch:
+                        plgpu.set_max_registers(n, action="increase" if n > launch else "decrease")
 
-                                        @pl.when(
-                                            tcol0 - c0 + width * j < lg_cols
-                                        )  # slices (halves) wholly past the logits' width: none
-                                        def _slice():
-                                            plgpu.copy_smem_to_gmem(
-                                                dump.at[b, i, j],
-                                                lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + width * j, width)],
-                                            )
+                def restore_registers(n):
+                    # With the in-kernel fold the warpgroups meet again after their roles (the fold's
+                    # scope): each first returns to the launch count, the count ptxas compiled the
+                    # whole kernel for, so that no warpgroup runs the code after the roles with fewer
+                    # registers than it was compiled for (a producer left at 24 would).
+                    if fold is not None and not interpret and n != launch:
+                        plgpu.set_max_registers(launch, action="increase" if launch > n else "decrease")
 
-                            def half_loaders(k):
-                                # handoff="swizzled": step k's sps slices (4: one [bm, 32] half,
-                                # 8: both) are slices k * sps + q, i.e. column block q % 4 of half
-                                # k * sps / 4 + q / 4; each half is loaded once, at its first
-                                # slice's use, and sliced in registers (k is traced in pass 2).
-                                halves = {}
+                @pl.when(wg == producer)
+                def _producer():
+                    set_registers(reg_producer)
+                    if h_box_rows is not None:  # rows past the box: zeros in every slot, written once
+                        for st in range(stages):
+                            h_smem.at[st][...] = jnp.zeros((cta_rows, tile_k), jnp.bfloat16)
+                        plgpu.commit_smem()  # before the async proxy (TMA, wgmma) touches the slots
 
-                                def slice_of(q):
-                                    if q // 4 not in halves:
-                                        hh = k * (sps // 4) + q // 4
-                                        halves[q // 4] = load(dump.at[b, i, hh], tile_l, interpret)
-                                    c = q % 4
-                                    return halves[q // 4][:, 8 * c : 8 * c + 8]
+                    def item_body(li, step):
+                        _, rb, t0, _ = item(li)
+                        row0, wrow0 = rb * cta_rows, t0 * TILE - c0  # wrow0: first weight row / column of the split
 
-                                return [lambda q=q: slice_of(q) for q in range(sps)]
-
-                            out = tile_math.chain_tile_sliced(
-                                m,
-                                s,
-                                lambda j: load(dump.at[b, i, j], tile_l, interpret),
-                                tcol0,
-                                tgts[q],
-                                invts[q],
-                                limit,
-                                (tile + 1) * TILE <= limit,
-                                ops,
-                                interpret=interpret,
-                                tile_cast=tile_cast,
-                                row_cast=row_cast,
-                                slices_per_step=sps,
-                                a=a,
-                                load_step=half_loaders if swz else None,
+                        def load_step(sk, step):
+                            g = sk // k_iters
+                            k = sk - g * k_iters
+                            slot = lax.rem(step, stages)
+                            plgpu.barrier_wait(empty.at[slot])
+                            # (The whole slot without a box: the module built before h_box_rows.)
+                            h_dst = h_smem.at[slot] if h_box_rows is None else h_smem.at[slot, pl.ds(0, hb)]
+                            plgpu.copy_gmem_to_smem(
+                                h_gmem.at[pl.ds(row0, hb), pl.ds(k * tile_k, tile_k)], h_dst, full.at[slot]
                             )
-                            m2, s2, z_hit = out[:3]
-                            row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
-                            new = (row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt)))
-                            return new + ((row_cast(out[3]),) if return_entropy else ())
+                            # Rows ("vd") / columns ("dv") past the weight's end (the last group of the last
+                            # split) read as zero (TMA fill). In a cluster both CTAs issue this same copy:
+                            # each loads half the block and multicasts it to both, and each CTA's
+                            # full[slot] awaits the whole block.
+                            if dv:
+                                w_block = w_gmem.at[pl.ds(k * tile_k, tile_k), pl.ds(wrow0 + g * gcols, gcols)]
+                            else:
+                                w_block = w_gmem.at[pl.ds(wrow0 + g * gcols, gcols), pl.ds(k * tile_k, tile_k)]
+                            plgpu.copy_gmem_to_smem(
+                                w_block,
+                                w_smem.at[slot],
+                                full.at[slot],
+                                collective_axes="cluster" if cl > 1 else None,
+                            )
+                            return step + 1
 
-                        return body
+                        return lax.fori_loop(0, n_groups * k_iters, load_step, step)
 
-                    def group(g, state):
-                        new = []
-                        for q, b in enumerate(bufs):
-                            plgpu.barrier_wait(dump_full.at[b])
-                            st = lax.fori_loop(0, w, tile_chain(q, b, g), state[q])
-                            if return_logits:
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
-                            plgpu.barrier_arrive(dump_empty.at[b])
-                            new.append(st)
-                        return tuple(new)
+                    step = lax.fori_loop(0, n_mine, item_body, jnp.int32(0))
+                    # Observe the releases of the last `stages` slots (no barrier phase is left unobserved).
+                    for q in range(stages):
+                        plgpu.barrier_wait(empty.at[lax.rem(step + q, stages)])
+                    restore_registers(reg_producer)
 
-                    state = lax.fori_loop(0, n_groups, group, init)
-                    for q, r in enumerate(rows):
-                        m, s, zt = state[q][:3]
-                        m_out.at[js, pl.ds(r, bm)][...] = m
-                        s_out.at[js, pl.ds(r, bm)][...] = s
-                        zt_out.at[js, pl.ds(r, bm)][...] = zt
-                        if return_entropy:
-                            a_out.at[js, pl.ds(r, bm)][...] = state[q][3]
-                    return 0
+                @pl.when(wg < n_mma)
+                def _wgmma():
+                    set_registers(reg_mma)
+                    for st in range(stages):  # every slot starts free
+                        plgpu.barrier_arrive(empty.at[st])
+                    if lag:
 
-                lax.fori_loop(0, n_mine, item_body, 0)
-                if return_logits:
-                    plgpu.wait_smem_to_gmem(0)
-                if sem is not None:
-                    # The last-block pattern: every thread's partial stores ordered at GPU scope,
-                    # then (a warpgroup barrier) one thread's signal.
-                    ptx_ops.fence("fence.acq_rel.gpu;")
-                    plgpu.commit_smem()
-                    pl.semaphore_signal(sem, 1)
-                restore_registers(reg_epi)
+                        @pl.when(wg == 1)
+                        def _wait_for_lead():
+                            plgpu.barrier_wait(stagger.at[0])
 
-        if fold is not None:
-            # A second scope over the pipeline's shared memory (its entry waits for every
-            # warpgroup): the fold's buffers and barriers.
-            def _fold_scope(*scratch):
-                @pl.when((lax.axis_index("wg") == n_mma) & (lax.axis_index("cta") == n_clusters - 1))
-                def _fold():
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, gcols), F32))
+                    def _acc_scope(acc_ref):
+                        def k_step(k, carry):
+                            acc_ref, step = carry
+                            slot = lax.rem(step, stages)
+                            plgpu.barrier_wait(full.at[slot])
+                            # B = the [K, N] view of the slot: the slot itself ("dv") or its transpose ("vd").
+                            w_tile = w_smem.at[slot] if dv else w_smem.at[slot].T
+                            plgpu.wgmma(acc_ref, h_smem.at[slot, pl.ds(wg * bm, bm)], w_tile)
+                            if lag:
+
+                                @pl.when((wg == 0) & (step == lag - 1))
+                                def _lead():  # its first `lag` K slices are issued: the second may start
+                                    plgpu.barrier_arrive(stagger.at[0])
+
+                            plgpu.wgmma_wait(1)  # the previous step's wgmma has finished reading its slot
+
+                            @pl.when(k > 0)
+                            def _release():
+                                plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+
+                            return acc_ref, step + 1
+
+                        def group(g, carry):
+                            acc_ref, step = lax.fori_loop(0, k_iters, k_step, carry)
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+                            plgpu.barrier_wait(dump_empty.at[wg])
+                            z_all = acc_ref[...]
+                            for i in range(w):
+                                if swz:
+                                    for hh in range(2):
+                                        c = i * TILE + 32 * hh
+                                        dump.at[wg, i, hh][...] = z_all[:, c : c + 32]
+                                else:
+                                    for j in range(8):
+                                        dump.at[wg, i, j][...] = z_all[:, i * TILE + 8 * j : i * TILE + 8 * j + 8]
+                            common.zero_acc(acc_ref, bm, gcols, interpret)
+                            if return_logits and not has_bias:
+                                plgpu.commit_smem()  # the epilogue's TMA stores read these writes (with bias it rewrites and commits)
+                            plgpu.barrier_arrive(dump_full.at[wg])
+                            return acc_ref, step
+
+                        def item_body(li, carry):
+                            return lax.fori_loop(0, n_groups, group, carry)
+
+                        lax.fori_loop(0, n_mine, item_body, (acc_ref, jnp.int32(0)))
+                        plgpu.barrier_wait(dump_empty.at[wg])  # the last hand-back (no phase left unobserved)
+
+                    restore_registers(reg_mma)
+
+                @pl.when((wg >= n_mma) & (wg < producer))
+                def _epilogue():
+                    set_registers(reg_epi)
+                    ep = wg - n_mma
+                    bufs = [ep * per_epi + q for q in range(per_epi)]
+                    for b in bufs:  # every hand-off buffer starts free
+                        plgpu.barrier_arrive(dump_empty.at[b])
+                    row_cast = lambda x: cast(x, row_l, interpret)
+                    tile_cast = lambda x: cast(x, tile_l, interpret)
+
+                    def item_body(li, _):
+                        js, rb, t0, t1 = item(li)
+                        limit = jnp.minimum(t1 * TILE, vocab)  # first column not owned by the chain
+                        rows = [rb * cta_rows + b * bm for b in bufs]
+                        if row_tma:
+                            # Every thread has read the previous item's rows (a warpgroup barrier)
+                            # before TMA overwrites them; rows past the arrays arrive as zeros.
+                            plgpu.commit_smem()
+                            for b, r in zip(bufs, rows):
+                                plgpu.copy_gmem_to_smem(tgt_gmem.at[pl.ds(r, bm)], rows_t.at[b], rows_bar.at[ep])
+                                plgpu.copy_gmem_to_smem(invt_gmem.at[pl.ds(r, bm)], rows_i.at[b], rows_bar.at[ep])
+                            plgpu.barrier_wait(rows_bar.at[ep])
+                            tgts = [load(rows_t.at[b], row_l, interpret) for b in bufs]
+                            invts = [load(rows_i.at[b], row_l, interpret) for b in bufs]
+                        else:
+                            tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+                            invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
+                        ops = ptx_ops.make_ops(interpret, common.layout_of, source=invts[0])
+                        init = tuple(
+                            (
+                                row_cast(jnp.full((bm,), -jnp.inf, F32)),
+                                row_cast(jnp.zeros((bm,), F32)),
+                                row_cast(jnp.zeros((bm,), F32)),
+                            )
+                            + ((row_cast(jnp.zeros((bm,), F32)),) if return_entropy else ())  # A starts at +0
+                            for _ in bufs
+                        )
+
+                        def tile_chain(q, b, g):
+                            def body(i, st):
+                                m, s, zt = st[:3]
+                                a = st[3] if return_entropy else None
+                                tile = t0 + g * w + i  # global tile index
+                                tcol0 = tile * TILE
+                                # z = fl(acc + b), written back in place: both chain passes and the logits read z.
+                                # "slices": each thread reads and rewrites the same addresses (the load and the
+                                # store use the same WGMMA layout), so no cross-thread hazard needs the barriers
+                                # that unsafe_no_auto_barriers removes. "swizzled": the same per-lane add on
+                                # [bm, 32] halves, but a swizzled half's load and store are evidently not one
+                                # thread's addresses (without barriers the H200's trainer entry read halves before
+                                # their bias was added; interpret mode cannot show it:
+                                # benchmarks/results/h200_2026-12-01e/call3_handoff_check.log), so every thread
+                                # reads both halves, a barrier, then the rewrites, a barrier (the commit also
+                                # orders them before the logits' TMA stores).
+                                n_parts, width = (2, 32) if swz else (8, 8)
+
+                                def biased(j):  # fl(z + b) of part j (a slice, or a swizzled half)
+                                    bias = load(b_gmem.at[pl.ds(tcol0 - c0 + width * j, width)], col_l, interpret)
+                                    zj = load(dump.at[b, i, j], tile_l, interpret)
+                                    return tile_cast(ops.add(zj, jnp.broadcast_to(bias[None, :], (bm, width))))
+
+                                if has_bias and not swz:
+                                    for j in range(n_parts):
+                                        dump.at[b, i, j][...] = biased(j)
+                                elif has_bias:
+                                    parts = [biased(j) for j in range(n_parts)]
+                                    plgpu.commit_smem()  # every thread has read both halves
+                                    for j in range(n_parts):
+                                        dump.at[b, i, j][...] = parts[j]
+                                    plgpu.commit_smem()  # every half is rewritten before the chain (or a TMA store) reads it
+                                if return_logits:
+
+                                    @pl.when(
+                                        (tile < t1) & (tcol0 - c0 < lg_cols)
+                                    )  # padding tiles past the logits' width: none
+                                    def _store():
+                                        if has_bias and not swz:  # (swizzled: committed above)
+                                            plgpu.commit_smem()
+                                        for j in range(n_parts):
+
+                                            @pl.when(
+                                                tcol0 - c0 + width * j < lg_cols
+                                            )  # slices (halves) wholly past the logits' width: none
+                                            def _slice():
+                                                plgpu.copy_smem_to_gmem(
+                                                    dump.at[b, i, j],
+                                                    lg_out.at[pl.ds(rows[q], bm), pl.ds(tcol0 - c0 + width * j, width)],
+                                                )
+
+                                def half_loaders(k):
+                                    # handoff="swizzled": step k's sps slices (4: one [bm, 32] half,
+                                    # 8: both) are slices k * sps + q, i.e. column block q % 4 of half
+                                    # k * sps / 4 + q / 4; each half is loaded once, at its first
+                                    # slice's use, and sliced in registers (k is traced in pass 2).
+                                    halves = {}
+
+                                    def slice_of(q):
+                                        if q // 4 not in halves:
+                                            hh = k * (sps // 4) + q // 4
+                                            halves[q // 4] = load(dump.at[b, i, hh], tile_l, interpret)
+                                        c = q % 4
+                                        return halves[q // 4][:, 8 * c : 8 * c + 8]
+
+                                    return [lambda q=q: slice_of(q) for q in range(sps)]
+
+                                out = tile_math.chain_tile_sliced(
+                                    m,
+                                    s,
+                                    lambda j: load(dump.at[b, i, j], tile_l, interpret),
+                                    tcol0,
+                                    tgts[q],
+                                    invts[q],
+                                    limit,
+                                    (tile + 1) * TILE <= limit,
+                                    ops,
+                                    interpret=interpret,
+                                    tile_cast=tile_cast,
+                                    row_cast=row_cast,
+                                    slices_per_step=sps,
+                                    a=a,
+                                    load_step=half_loaders if swz else None,
+                                )
+                                m2, s2, z_hit = out[:3]
+                                row_hit = (tgts[q] >= tcol0) & (tgts[q] < tcol0 + TILE) & (tile < t1)
+                                new = (row_cast(m2), row_cast(s2), row_cast(jnp.where(row_hit, z_hit, zt)))
+                                return new + ((row_cast(out[3]),) if return_entropy else ())
+
+                            return body
+
+                        def group(g, state):
+                            new = []
+                            for q, b in enumerate(bufs):
+                                plgpu.barrier_wait(dump_full.at[b])
+                                st = lax.fori_loop(0, w, tile_chain(q, b, g), state[q])
+                                if return_logits:
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffer
+                                plgpu.barrier_arrive(dump_empty.at[b])
+                                new.append(st)
+                            return tuple(new)
+
+                        state = lax.fori_loop(0, n_groups, group, init)
+                        for q, r in enumerate(rows):
+                            m, s, zt = state[q][:3]
+                            m_out.at[js, pl.ds(r, bm)][...] = m
+                            s_out.at[js, pl.ds(r, bm)][...] = s
+                            zt_out.at[js, pl.ds(r, bm)][...] = zt
+                            if return_entropy:
+                                a_out.at[js, pl.ds(r, bm)][...] = state[q][3]
+                        return 0
+
+                    lax.fori_loop(0, n_mine, item_body, 0)
+                    if return_logits:
+                        plgpu.wait_smem_to_gmem(0)
                     if sem is not None:
-                        pl.semaphore_wait(sem, num_ctas)  # every CTA's partials are stored
-                        ptx_ops.fence("fence.proxy.async.global;")  # before TMA reads them
-                    ins = (m_out, s_out, a_out, zt_out, tgt_gmem, invt_gmem)
-                    outs = fold_outs if return_entropy else (*fold_outs, None)
-                    for r0 in range(0, fold_rows, fold.rows):
-                        sm90_fold.fold_row_block(fold, ins, outs, scratch, r0)
+                        # The last-block pattern: every thread's partial stores ordered at GPU scope,
+                        # then (a warpgroup barrier) one thread's signal.
+                        ptx_ops.fence("fence.acq_rel.gpu;")
+                        plgpu.commit_smem()
+                        pl.semaphore_signal(sem, 1)
+                    restore_registers(reg_epi)
 
-            pl.run_scoped(_fold_scope, *fold.scratch_types(), collective_axes="wg")
+            if fold is not None:
+                # A second scope over the pipeline's shared memory (its entry waits for every
+                # warpgroup): the fold's buffers (its barriers: `fold_bars`).
+                def _fold_scope(*scratch):
+                    @pl.when((lax.axis_index("wg") == n_mma) & (lax.axis_index("cta") == n_clusters - 1))
+                    def _fold():
+                        if sem is not None:
+                            pl.semaphore_wait(sem, num_ctas)  # every CTA's partials are stored
+                            ptx_ops.fence("fence.proxy.async.global;")  # before TMA reads them
+                        ins = (m_out, s_out, a_out, zt_out, tgt_gmem, invt_gmem)
+                        outs = fold_outs if return_entropy else (*fold_outs, None)
+                        for r0 in range(0, fold_rows, fold.rows):
+                            sm90_fold.fold_row_block(fold, ins, outs, scratch, r0)
+
+                pl.run_scoped(
+                    lambda *smem: _fold_scope(*fold.merge_scratch(smem, fold_bars)),
+                    *fold.smem_types(),
+                    collective_axes="wg",
+                )
+
+        if fold is None:
+            _body(None)
+        else:
+            # The fold's barriers live in a scope around the pipeline's: reserved in the fold's own
+            # scope, Mosaic would hand it the pipeline's released barriers of the same shape (their
+            # phases advanced by the pipeline, so the fold's first waits would be on the wrong parity).
+            pl.run_scoped(lambda *bars: _body(bars), *fold.barrier_types(), collective_axes="wg")
 
     out_type = common.out_type(n_local, n_pad, return_logits, lg_rows, lg_cols, return_entropy)
     out_type += (jax.ShapeDtypeStruct((n_pad,), F32),) * n_fold_out

@@ -21,7 +21,7 @@ from detlogp_jax import contract as C
 from detlogp_jax import numerics, oracle
 
 pk = pytest.importorskip("pallas_kernels")
-from pallas_kernels import common, ptx_ops, ptx_programs, sm90_forward_ws, tile_math, tuning  # noqa: E402
+from pallas_kernels import common, ptx_ops, ptx_programs, sm90_fold, sm90_forward_ws, tile_math, tuning  # noqa: E402
 from tests.pallas_cases import handoff_variant  # noqa: E402
 
 
@@ -760,7 +760,28 @@ def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
     launch = sm90_forward_ws.launch_registers(3)
     assert module.count(f"setmaxnreg.inc.sync.aligned.u32 {launch};") == 2  # producer, wgmma warpgroup
     assert module.count(f"setmaxnreg.dec.sync.aligned.u32 {launch};") == 1  # epilogue warpgroup
+    # The fold's barriers are its own: the pipeline's four barrier arrays (full, empty, dump_full,
+    # dump_empty) plus every one of the fold's (reserved in its own scope, the fold would get the
+    # pipeline's released `empty`, whose phases the pipeline advanced).
+    plan = sm90_fold.kernel_plan(n_split=264, vocab_size=v, interpret=False, entropy=entropy)
+    barrier_arrays = re.findall(
+        r"memref\.view %\d+\[%c\d+\]\[\] : memref<\?xi8, #gpu\.address_space<workgroup>> to memref<\d+xi64", module
+    )
+    assert len(barrier_arrays) == 4 + len(plan.barrier_types()), barrier_arrays
     assert lower(False).count("stablehlo.custom_call") == 2
+
+
+def test_fold_plan_splits_its_scratch_into_buffers_and_barriers():
+    """StagedPlan.smem_types / barrier_types / merge_scratch (the in-kernel fold reserves its
+    barriers outside the pipeline's scope): the merge restores scratch_types' order exactly."""
+    for entropy in (False, True):
+        plan = sm90_fold.kernel_plan(n_split=264, vocab_size=151936, interpret=False, entropy=entropy)
+        whole = plan.scratch_types()
+        smem, bars = plan.smem_types(), plan.barrier_types()
+        assert len(smem) + len(bars) == len(whole) and len(bars) == (5 if entropy else 4)
+        assert all("Barrier" in type(b).__name__ for b in bars)
+        assert not any("Barrier" in type(t).__name__ for t in smem)
+        assert [repr(x) for x in plan.merge_scratch(smem, bars)] == [repr(x) for x in whole]
 
 
 _ENTROPY_VARIANTS = [

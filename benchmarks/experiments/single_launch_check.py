@@ -17,7 +17,9 @@ is reported as one, and the later checks still run:
 * `forward_m1_nowait` (a suffix to any forward check): the same with `pl.semaphore_wait` made a
   no-op in that process, so the last CTA folds without waiting: if this runs where the full
   check hangs, the hang is the semaphore's; its bytes may differ (nothing orders the fold
-  after the other CTAs' stores), which is why the wait is there.
+  after the other CTAs' stores), which is why the wait is there;
+* `forward_m1_nofold`: `sm90_fold.fold_row_block` made a no-op instead (the wait, the scopes and
+  the signals stay; logp / lse are then unwritten memory): if this hangs, the fold is not why.
 
 One JSON line per check (`status` ok / hang / error, seconds, rows differing).
 """
@@ -37,7 +39,9 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
-    "checks", "semaphore,forward_m1,forward_m1_nowait,forward_m64,forward_m1_entropy", "Comma-separated checks."
+    "checks",
+    "semaphore,forward_m1,forward_m1_nowait,forward_m1_nofold,forward_m64,forward_m1_entropy",
+    "Comma-separated checks.",
 )
 flags.DEFINE_integer("limit_s", 90, "Seconds each check may take (compile included) before it counts as a hang.")
 flags.DEFINE_string("out", None, "Append one JSON line per check here.")
@@ -129,6 +133,11 @@ def _run_child(name: str) -> dict:
 
             pl.semaphore_wait = lambda *args, **kwargs: None  # (this process only)
             rest = rest.removesuffix("_nowait")
+        if rest.endswith("_nofold"):
+            from pallas_kernels import sm90_fold
+
+            sm90_fold.fold_row_block = lambda *args, **kwargs: None  # (this process only)
+            rest = rest.removesuffix("_nofold")
         entropy = rest.endswith("_entropy")
         return _forward(int(rest.removesuffix("_entropy")), entropy)
     raise SystemExit(f"unknown check {name!r}")

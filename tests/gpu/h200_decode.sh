@@ -25,7 +25,7 @@
 #             pass1_8 is at 14e5aad)
 #   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
 #             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
-#             under SINGLE_LIMIT_S (default 90) so that a hang is reported; then, if SINGLE_TIME=1,
+#             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_TIME=1,
 #             benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single
 #   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
 #             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
@@ -68,8 +68,8 @@ if [[ $STAGES == *,probe,* ]]; then
   TAILN=40 stage "probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _)" ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _).jsonl"
 fi
 if [[ $STAGES == *,single,* ]]; then
-  SL=${SINGLE_LIMIT_S:-90}
-  TAILN=12 stage single_launch_check $((SL * 5 + 30)) python3 -m benchmarks.experiments.single_launch_check --limit_s "$SL" ${SINGLE_CHECKS:+--checks "$SINGLE_CHECKS"} --out "$OUT/single_launch_check.jsonl"
+  SL=${SINGLE_LIMIT_S:-80}
+  TAILN=12 stage single_launch_check $((SL * 6 + 30)) python3 -m benchmarks.experiments.single_launch_check --limit_s "$SL" ${SINGLE_CHECKS:+--checks "$SINGLE_CHECKS"} --out "$OUT/single_launch_check.jsonl"
   if [[ ${SINGLE_TIME:-0} == 1 ]]; then
     TAILN=12 stage single_launch_time 200 python3 -m benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single --samples 9 --out "$OUT/single_launch_time.jsonl"
   fi
