@@ -25,8 +25,9 @@
 #             pass1_8 is at 14e5aad)
 #   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
 #             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
-#             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_TIME=1,
-#             benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single
+#             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_PYTEST=1,
+#             tests/gpu/test_pallas_gpu.py -k single_launch (M = 1, 64, 300, every ws bucket, twice),
+#             and if SINGLE_TIME=1, benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single
 #   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
 #             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
 #             head, M = 1, 65, 4096, every bucket, and linear_logp (~2 min per M; FUSED_K=M4096 selects one)
@@ -70,6 +71,9 @@ fi
 if [[ $STAGES == *,single,* ]]; then
   SL=${SINGLE_LIMIT_S:-80}
   TAILN=12 stage single_launch_check $((SL * 6 + 30)) python3 -m benchmarks.experiments.single_launch_check --limit_s "$SL" ${SINGLE_CHECKS:+--checks "$SINGLE_CHECKS"} --out "$OUT/single_launch_check.jsonl"
+  if [[ ${SINGLE_PYTEST:-0} == 1 ]]; then
+    TAILN=6 stage pytest_single_launch 400 python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k single_launch
+  fi
   if [[ ${SINGLE_TIME:-0} == 1 ]]; then
     TAILN=12 stage single_launch_time 200 python3 -m benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single --samples 9 --out "$OUT/single_launch_time.jsonl"
   fi

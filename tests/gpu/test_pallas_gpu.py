@@ -479,6 +479,35 @@ def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
                 assert_bitwise_equal(got, _nan_canonical(ref[k]), f"linear_logp {k} {lay} M={m}")
 
 
+@pytest.mark.parametrize("m", [1, 64, 300], ids=lambda m: f"M{m}")
+def test_single_launch_equals_two_launches_at_the_qwen_shape(m):
+    """pk.forward(single_launch=True) (the forward kernel's last CTA folds after a grid semaphore;
+    off by default) == the default two launches byte for byte at the Qwen3-8B head, every
+    epilogue-warpgroup bucket (the others fall back to two launches), with bias and per-row T,
+    with and without the entropy, twice (a race in the semaphore's ordering would show as a
+    difference between calls). Run `benchmarks.experiments.single_launch_check` first: a hang
+    there is reported under a time limit, here it would stop the file."""
+    w, _, b_full = _qwen_head()
+    rng = np.random.default_rng(500 + m)
+    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
+    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
+    if m > 3:
+        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, QWEN_VOCAB + 5
+    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
+    kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS)
+    for bucket in sorted(b for b, c in tuning.BUCKETS.items() if isinstance(c, tuning.WsForwardConfig)):
+        for bias, ent in ((b_full, True), (None, False)):
+            want = pk.forward(h, w, bias, tj, itj, bucket=bucket, return_entropy=ent, **kw)
+            for call in (1, 2):
+                got = pk.forward(h, w, bias, tj, itj, bucket=bucket, return_entropy=ent, single_launch=True, **kw)
+                what = f"M={m} bucket={bucket} entropy={ent} call {call}"
+                for i, k in ((0, "logp"), (1, "lse")) + (((3, "entropy"),) if ent else ()):
+                    assert_bitwise_equal(
+                        _nan_canonical(np.asarray(got[i])), _nan_canonical(np.asarray(want[i])), f"{k} {what}"
+                    )
+
+
 @pytest.mark.parametrize("m", [1, 3, 300], ids=lambda m: f"M{m}")
 def test_unpadded_rows_equal_padded_rows_at_the_qwen_shape(m):
     """pk.forward with its N rows passed unpadded (the default: the forward kernel's row_tma reads
