@@ -400,6 +400,12 @@ BUCKETS["mid"] = dataclasses.replace(BUCKETS["prefill"], name="mid", split_group
 # M = 4096 23.90 vs 24.29 ms, 16384 96.22 vs 96.89; the column-adjacent pair 24.34 / 96.78;
 # benchmarks/results/h200_2026-12-02/call1_probe_walk10.log).
 FOLD = FoldConfig()
+# Whether `pallas_kernels.forward` (the op core's unsharded path) folds inside the forward kernel
+# (`forward(single_launch=None)`'s default; bit-neutral: the same fold program on the same
+# operands). Off: the single launch hung in its first H200 run (seventeenth session,
+# docs/PERF_NOTES.md); it may be turned on after `DECODE_STAGES=single bash tests/gpu/h200_decode.sh`,
+# the ladder and the golden replay pass with it and it is faster. Read at trace time.
+SINGLE_LAUNCH = False
 DZ = DzConfig()
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
 DW_GEMM = GradGemmConfig(cluster="m")

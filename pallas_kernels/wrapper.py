@@ -342,7 +342,7 @@ def partials(hidden, weight, bias, targets, inv_t, **kw):
     return out + (r.a_t[:, :n].T,) if r.a_t is not None else out
 
 
-def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, single_launch=False, **kw):
+def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, single_launch=None, **kw):
     """fold(partials(...)) of an unsharded head in one call: (logp [N], lse [N], logits or None,
     entropy [N] or None (with return_entropy=True)), the same bytes as
     `sm90_fold.fold(*partials(...)[:3], targets, inv_t, vocab_size, a=...)` (the same two
@@ -360,10 +360,12 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     call4_trace_m1_pallas.log), more than the pads and slices it removes; the cause was not
     looked for);
     fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`);
-    single_launch (an experiment for decode, off by default): where `_launch(fold_in_kernel=)`
-    can, the forward kernel folds its own partials (its last CTA, after a grid semaphore: one
-    launch instead of two), the same fold program on the same operands, so the same bytes;
-    elsewhere the two kernels as without it."""
+    single_launch (an experiment for decode; None: `tuning.SINGLE_LAUNCH`, off): where
+    `_launch(fold_in_kernel=)` can, the forward kernel folds its own partials (its last CTA, after
+    a grid semaphore: one launch instead of two), the same fold program on the same operands, so
+    the same bytes; elsewhere the two kernels as without it."""
+    if single_launch is None:
+        single_launch = tuning.SINGLE_LAUNCH and not kw.get("unpadded")
     if single_launch and kw.get("unpadded"):
         raise ValueError("single_launch folds the padded rows: it does not take unpadded=True")
     fold_in_kernel = sm90_fold.config(fold_cfg) if single_launch else None

@@ -771,6 +771,18 @@ def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
     assert lower(False).count("stablehlo.custom_call") == 2
 
 
+def test_single_launch_default_follows_tuning(monkeypatch):
+    """pk.forward's single_launch=None takes tuning.SINGLE_LAUNCH (off: two kernels; on: one),
+    and an explicit value wins."""
+    assert tuning.SINGLE_LAUNCH is False
+    assert _forward_ops(1).count("custom_call") == 2
+    assert _forward_ops(1, single_launch=True).count("custom_call") == 1
+    monkeypatch.setattr(tuning, "SINGLE_LAUNCH", True)
+    assert _forward_ops(1).count("custom_call") == 1
+    assert _forward_ops(1, single_launch=False).count("custom_call") == 2
+    assert _forward_ops(8, unpadded=True).count("custom_call") == 2  # unpadded rows: two launches
+
+
 def test_fold_plan_splits_its_scratch_into_buffers_and_barriers():
     """StagedPlan.smem_types / barrier_types / merge_scratch (the in-kernel fold reserves its
     barriers outside the pipeline's scope): the merge restores scratch_types' order exactly."""
