@@ -177,7 +177,12 @@ def build(
     The same operations on the same operands as the fold kernel, so the same bytes. Interpret
     mode has no `get_global`: it leaves the semaphore out and relies on its CTAs running one
     after another in ascending order (the last CTA folds after every other stored). Only for an
-    unsharded head, one epilogue warpgroup, no cluster.
+    unsharded head, one epilogue warpgroup, no cluster. Two things the GPU needs that interpret
+    mode does not show: each warpgroup returns to the launch's register count after its role
+    (the code after the roles is compiled for it), and the fold's barriers are reserved in a
+    scope around the pipeline's (in the fold's own scope Mosaic would hand it the pipeline's
+    released barriers of the same shape, their phases advanced). The first H200 run, before
+    both, hung (docs/PERF_NOTES.md, seventeenth session); not yet run on the GPU since.
     """
     if not isinstance(cfg, tuning.WsForwardConfig):
         raise TypeError(f"sm90_forward_ws needs a tuning.WsForwardConfig, got {type(cfg).__name__}")
