@@ -169,24 +169,12 @@ def build(
     """
     if not isinstance(cfg, tuning.FoldConfig):
         raise TypeError(f"sm90_fold needs a tuning.FoldConfig, got {type(cfg).__name__}")
-    unroll = cfg.unroll
-    if unroll is None:
-        unroll = CHAIN_UNROLL if cfg.staged else UNROLL
     kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
     if cfg.staged:
-        return _build_staged(
-            n_split=n_split,
-            n_pad=n_pad,
-            vocab_size=vocab_size,
-            interpret=interpret,
-            unroll=unroll,
-            rows=cfg.rows,
-            chunk=cfg.chunk,
-            kw=kw,
-            entropy=entropy,
-            zt_splits=zt_splits,
-            n_out=n_pad if n_out is None else n_out,
+        plan = config_plan(
+            cfg, n_split=n_split, vocab_size=vocab_size, interpret=interpret, entropy=entropy, zt_splits=zt_splits
         )
+        return _build_staged(plan, n_pad=n_pad, n_out=n_pad if n_out is None else n_out, kw=kw)
     if zt_splits or n_out not in (None, n_pad):
         raise ValueError("zt_splits and n_out need the staged fold (fold_transposed pads / forms z_t otherwise)")
     return _build_rowloop(
@@ -194,7 +182,7 @@ def build(
         n_pad=n_pad,
         vocab_size=vocab_size,
         interpret=interpret,
-        unroll=unroll,
+        unroll=UNROLL if cfg.unroll is None else cfg.unroll,
         kw=kw,
         entropy=entropy,
     )
@@ -282,24 +270,24 @@ class StagedPlan:
             scratch += (plgpu.SMEM((sm, br), F32), plgpu.Barrier(num_barriers=n_chunks))
         return scratch
 
-    def _is_barrier(self) -> tuple[bool, ...]:
-        barrier = type(plgpu.Barrier(num_arrivals=1))
-        return tuple(isinstance(t, barrier) for t in self.scratch_types())
-
     def smem_types(self) -> tuple:
         """The shared-memory buffers of `scratch_types()`, in order (for a caller that reserves the
         barriers in another scope: `merge_scratch`)."""
-        return tuple(t for t, b in zip(self.scratch_types(), self._is_barrier()) if not b)
+        return tuple(t for t in self.scratch_types() if not _is_barrier(t))
 
     def barrier_types(self) -> tuple:
         """The barriers of `scratch_types()`, in order."""
-        return tuple(t for t, b in zip(self.scratch_types(), self._is_barrier()) if b)
+        return tuple(t for t in self.scratch_types() if _is_barrier(t))
 
     def merge_scratch(self, smem, barriers) -> tuple:
         """The refs of `smem_types()` and `barrier_types()` interleaved back into `scratch_types()`'s
         order, as `fold_row_block` takes them."""
         smem, barriers = iter(smem), iter(barriers)
-        return tuple(next(barriers) if b else next(smem) for b in self._is_barrier())
+        return tuple(next(barriers) if _is_barrier(t) else next(smem) for t in self.scratch_types())
+
+
+def _is_barrier(scratch_type) -> bool:
+    return isinstance(scratch_type, type(plgpu.Barrier(num_arrivals=1)))
 
 
 def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=False, zt_splits=False) -> StagedPlan:
@@ -316,6 +304,22 @@ def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=
     return StagedPlan(n_split, rows, chunk, unroll, vocab_size, interpret, entropy, zt_splits)
 
 
+def config_plan(
+    cfg: tuning.FoldConfig, *, n_split, vocab_size, interpret, entropy=False, zt_splits=False
+) -> StagedPlan:
+    """The plan a staged `cfg` builds: its rows and chunk, its unroll (default CHAIN_UNROLL)."""
+    return staged_plan(
+        n_split=n_split,
+        vocab_size=vocab_size,
+        interpret=interpret,
+        unroll=CHAIN_UNROLL if cfg.unroll is None else cfg.unroll,
+        rows=cfg.rows,
+        chunk=cfg.chunk,
+        entropy=entropy,
+        zt_splits=zt_splits,
+    )
+
+
 def kernel_plan(*, n_split, vocab_size, interpret, cfg=None, entropy=False) -> StagedPlan | None:
     """The plan of the staged fold that forms z_t from the split captures (`build(zt_splits=True)`)
     under `cfg` (default `tuning.FOLD`), for a forward kernel that folds its own partials
@@ -324,36 +328,15 @@ def kernel_plan(*, n_split, vocab_size, interpret, cfg=None, entropy=False) -> S
     cfg = config(cfg)
     if not (cfg.staged and staged_fits(n_split, cfg.rows, entropy, True)):
         return None
-    unroll = CHAIN_UNROLL if cfg.unroll is None else cfg.unroll
-    return staged_plan(
-        n_split=n_split,
-        vocab_size=vocab_size,
-        interpret=interpret,
-        unroll=unroll,
-        rows=cfg.rows,
-        chunk=cfg.chunk,
-        entropy=entropy,
-        zt_splits=True,
+    return config_plan(
+        cfg, n_split=n_split, vocab_size=vocab_size, interpret=interpret, entropy=entropy, zt_splits=True
     )
 
 
-def _build_staged(
-    *, n_split, n_pad, vocab_size, interpret, unroll, rows, chunk, kw, entropy=False, zt_splits=False, n_out=None
-):
-    br = rows  # (rows and chunk are checked by tuning.FoldConfig)
+def _build_staged(plan: StagedPlan, *, n_pad, n_out, kw):
+    br, entropy = plan.rows, plan.entropy
     assert n_pad % br == 0, (n_pad, br)
-    n_out = n_pad if n_out is None else n_out
     assert 1 <= n_out <= n_pad, (n_out, n_pad)
-    plan = staged_plan(
-        n_split=n_split,
-        vocab_size=vocab_size,
-        interpret=interpret,
-        unroll=unroll,
-        rows=rows,
-        chunk=chunk,
-        entropy=entropy,
-        zt_splits=zt_splits,
-    )
     n_in, n_res = (6, 3) if entropy else (5, 2)
 
     def kernel(*refs):

@@ -683,10 +683,8 @@ def test_fold_with_split_captures_lowers_for_cuda(n, n_split, entropy):
     jax.jit(f).trace(a, a, a, a, t, v).lower(lowering_platforms=("cuda",))
 
 
-def _forward_ops(n, bucket=None, **kw):
-    """The StableHLO ops (by name) of pk.forward at the Qwen3-8B head, N = n, lowered for CUDA."""
-    import re
-
+def _lower_forward(n, bucket=None, **kw) -> str:
+    """The StableHLO text of pk.forward (logp, lse) at the Qwen3-8B head, N = n, lowered for CUDA."""
     d, v, vp = 4096, 151936, 152064
     args = [
         jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
@@ -699,8 +697,12 @@ def _forward_ops(n, bucket=None, **kw):
         out = pk.forward(h, w, None, t, it, vocab_size=v, padded_vocab_size=vp, bucket=bucket, **kw)
         return out[0], out[1]
 
-    txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"\bstablehlo\.([a-z_]+)", txt)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _forward_ops(n, bucket=None, **kw):
+    """The StableHLO ops (by name) of `_lower_forward`."""
+    return re.findall(r"\bstablehlo\.([a-z_]+)", _lower_forward(n, bucket, **kw))
 
 
 @pytest.mark.parametrize("n,bucket", [(1, None), (8, None), (296, None), (72, "decode")])
@@ -731,22 +733,10 @@ def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
     scope (setmaxnreg to it after each role); the default call is two kernels."""
     from benchmarks import mosaic_ir_hashes as mh
 
-    d, v, vp = 4096, 151936, 152064
-    args = [
-        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((vp, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((n,), jnp.int32),
-        jax.ShapeDtypeStruct((n,), jnp.float32),
-    ]
+    v = 151936
 
     def lower(single):
-        def f(h, w, t, it):
-            out = pk.forward(
-                h, w, None, t, it, vocab_size=v, padded_vocab_size=vp, return_entropy=entropy, single_launch=single
-            )
-            return out[0], out[1]
-
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return _lower_forward(n, return_entropy=entropy, single_launch=single)
 
     mh._capture_modules()
     start = len(mh._captured)

@@ -434,6 +434,18 @@ def test_fold_entropy_layouts_equal_oracle(n_split):
             assert_bitwise_equal(np.asarray(got), want[r : r + 1], f"{name} row {r} alone")
 
 
+def _qwen_rows(m, seed):
+    """m rows at the Qwen3-8B head: hidden [m, D] bf16, per-row temperatures, targets (with m > 3:
+    an ignored row, the last real column and one past the vocabulary) and fl(1/T) as jax arrays."""
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
+    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
+    if m > 3:
+        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, QWEN_VOCAB + 5
+    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    return h, temp, jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
+
+
 @pytest.mark.parametrize("m", [1, 65, 4096], ids=lambda m: f"M{m}")
 def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
     """pk.forward (the op core's unsharded path: the fold reads the forward's split-major partials
@@ -443,13 +455,7 @@ def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
     import detlogp_jax as dl
 
     w, k_dv, b_full = _qwen_head()
-    rng = np.random.default_rng(300 + m)
-    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
-    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
-    if m > 3:
-        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, QWEN_VOCAB + 5
-    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
-    tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
+    h, temp, tj, itj = _qwen_rows(m, seed=300 + m)
     kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS)
     for bias in (None, b_full):
         ref = _np(_entropy_entry(h, w, bias, tj, itj), "logp", "lse", "entropy")
@@ -488,13 +494,7 @@ def test_single_launch_equals_two_launches_at_the_qwen_shape(m):
     difference between calls). Run `benchmarks.experiments.single_launch_check` first: a hang
     there is reported under a time limit, here it would stop the file."""
     w, _, b_full = _qwen_head()
-    rng = np.random.default_rng(500 + m)
-    h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
-    t = rng.integers(0, QWEN_VOCAB, m).astype(np.int32)
-    if m > 3:
-        t[0], t[1], t[2] = C.IGNORE_INDEX, QWEN_VOCAB - 1, QWEN_VOCAB + 5
-    temp = rng.uniform(0.5, 1.5, m).astype(np.float32)
-    tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
+    h, _, tj, itj = _qwen_rows(m, seed=500 + m)
     kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS)
     for bucket in sorted(b for b, c in tuning.BUCKETS.items() if isinstance(c, tuning.WsForwardConfig)):
         for bias, ent in ((b_full, True), (None, False)):
