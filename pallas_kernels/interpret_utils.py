@@ -5,8 +5,9 @@ OpenBLAS sgemm whose summation order for a row depends on where the row sits
 in the block (and on threading), so interpret-mode logits are NOT batch
 invariant even though the kernel is. `row_invariant_wgmma()` swaps in a
 matmul whose value for an output element depends only on that element's
-operands (f64 accumulation of exact bf16 products, then one rounding to f32),
-so interpret tests can check the kernel's structural batch invariance. It
+operands: exact products of the bf16 inputs summed in float64 over K in
+ascending order (a fixed loop of elementwise adds, no BLAS: the same bytes
+on every machine, thread count and run), then one rounding to f32. It
 changes nothing on a GPU.
 """
 
@@ -61,7 +62,19 @@ class _NumpyWithRowInvariantMatmul:
 
     @staticmethod
     def matmul(a, b, dtype=None, **kw):
-        out = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64), **kw)
+        """a @ b for 2-D a [m, k], b [k, n]: each element sum_k a[i, k] * b[k, j] in float64,
+        k ascending, then rounded to `dtype` (f32 by default). BLAS is not used: a threaded
+        dgemm's order of adds may depend on how its threads split the block (two identical
+        interpret-mode walks once differed in one row on a CI machine, and the dgemm was the
+        only reduction in that path), while this loop's order is fixed."""
+        if kw or np.ndim(a) != 2 or np.ndim(b) != 2 or np.shape(a)[1] != np.shape(b)[0]:
+            raise ValueError(
+                f"row-invariant matmul takes a [m, k] @ [k, n] pair, got {np.shape(a)}, {np.shape(b)}, {kw}"
+            )
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        out = np.zeros((a64.shape[0], b64.shape[1]), np.float64)
+        for k in range(a64.shape[1]):
+            out += a64[:, k, None] * b64[None, k, :]
         return out.astype(dtype if dtype is not None else np.float32)
 
 

@@ -998,3 +998,43 @@ def test_hidden_box_experiment_gives_the_same_bytes_in_interpret_mode():
     assert len(full) == len(boxed) == 3
     for a, b, name in zip(full, boxed, ("m", "s", "z_t")):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32), err_msg=name)
+
+
+def test_row_invariant_interpret_matmul_is_a_fixed_order_sum_per_element():
+    """The interpret-mode wgmma model of `row_invariant_wgmma`: each output element is
+    sum_k a[i, k] * b[k, j] in float64, k ascending, rounded once to f32: a row computed
+    alone, in a block of other rows, or from several threads at once has the same bytes (the
+    interpreter's own model, np.matmul(a, b, dtype=f32), gives every row alone other bytes
+    than in this block, so this can fail), and one element equals the sequential float64 sum
+    written out."""
+    import threading
+
+    import ml_dtypes
+
+    from pallas_kernels.interpret_utils import _NumpyWithRowInvariantMatmul
+    from tests.helpers import assert_bitwise_equal
+
+    mm = _NumpyWithRowInvariantMatmul.matmul
+    rng = np.random.default_rng(3)
+    # products spread over ~40 binades: float64 sums of them are not exact, so order matters
+    a = (rng.standard_normal((64, 64)) * np.exp2(rng.integers(-40, 0, (64, 64)))).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((64, 96)).astype(ml_dtypes.bfloat16)
+    block = mm(a, b, dtype=np.float32)
+    assert block.dtype == np.float32 and block.shape == (64, 96)
+    alone = np.stack([mm(a[i : i + 1], b)[0] for i in range(64)])
+    assert_bitwise_equal(block, alone, "rows alone vs in the block")
+    runs = []
+    threads = [threading.Thread(target=lambda: runs.append(mm(a, b))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in runs:
+        assert_bitwise_equal(block, r, "threads")
+    i, j = 5, 17
+    s = 0.0
+    for k in range(64):
+        s += float(a[i, k]) * float(b[k, j])
+    assert block[i, j] == np.float32(s)
+    with pytest.raises(ValueError, match=r"\[m, k\] @ \[k, n\]"):
+        mm(a[None], b)
