@@ -64,9 +64,10 @@ class _NumpyWithRowInvariantMatmul:
     def matmul(a, b, dtype=None, **kw):
         """a @ b for 2-D a [m, k], b [k, n]: each element sum_k a[i, k] * b[k, j] in float64,
         k ascending, then rounded to `dtype` (f32 by default). BLAS is not used: a threaded
-        dgemm's order of adds may depend on how its threads split the block (two identical
-        interpret-mode walks once differed in one row on a CI machine, and the dgemm was the
-        only reduction in that path), while this loop's order is fixed."""
+        dgemm's order of adds may depend on how its threads split the block, while this loop's
+        order is fixed (two identical interpret-mode walks once differed in one row on a CI
+        machine; the dgemm is the one reduction in that path whose order the kernels do not
+        fix, the suspect, not a confirmed cause)."""
         if kw or np.ndim(a) != 2 or np.ndim(b) != 2 or np.shape(a)[1] != np.shape(b)[0]:
             raise ValueError(
                 f"row-invariant matmul takes a [m, k] @ [k, n] pair, got {np.shape(a)}, {np.shape(b)}, {kw}"

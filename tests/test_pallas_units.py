@@ -7,6 +7,8 @@
 * The per-kernel configs (tuning.WgmmaForwardConfig, WsForwardConfig,
   FoldConfig, DzConfig) refuse bad values when made; the shipped ones are pinned.
 * Every launch bucket lowers for cuda (Mosaic GPU's Python half runs here).
+* The interpret-mode wgmma model (`interpret_utils.row_invariant_wgmma`) is a fixed-order
+  float64 sum per element: row-invariant and the same from any thread.
 """
 
 import dataclasses
