@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper_matmul
 
 from benchmarks import baselines
 from benchmarks.experiments import kernel_timing as kt
@@ -41,7 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only); pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -262,6 +263,37 @@ def main(argv):
             p.kernel("stagger15", f"{base} again", m, tuning.BUCKETS[base])
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("stagger15", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+
+    if "ceiling18" in groups:
+        # Issue 18's forward bar (<= 1.02x the GEMM alone at M >= 512) against what a Pallas Mosaic
+        # GPU GEMM without any epilogue reaches at the same shape, same run: JAX's Hopper GEMM
+        # (hopper_matmul_mgpu, its two fastest configurations in the fourth session's sweep,
+        # benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl) on the weight as [D, V],
+        # next to cuBLAS and the shipped bucket's kernel alone (timed before and after them).
+        w_dv = jax.block_until_ready(p.w.T.copy())
+        configs = (
+            ("N", "M", 16, hopper_matmul.MatmulDimension.N, hopper_matmul.MatmulDimension.M),
+            ("M", "M", 4, hopper_matmul.MatmulDimension.M, hopper_matmul.MatmulDimension.M),
+        )
+        for m in (512, 1024, 2048, 4096, 16384):
+            base = tuning.select_bucket(m).name
+            p.kernel("ceiling18", base, m, tuning.BUCKETS[base])
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("ceiling18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+            for wg, minor, width, wg_dim, minor_dim in configs:
+                cfg = hopper_matmul.TuningConfig(
+                    tile_m=128,
+                    tile_n=128,
+                    tile_k=64,
+                    max_concurrent_steps=4,
+                    grid_minor_dim=minor_dim,
+                    grid_tile_width=width,
+                    wg_dimension=wg_dim,
+                )
+                fn = jax.jit(lambda h, w, cfg=cfg: hopper_matmul.matmul(h, w, None, cfg))
+                name = f"pallas gemm 128x128 wg={wg} minor={minor} width={width}"
+                p.generic("ceiling18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+            p.kernel("ceiling18", f"{base} again", m, tuning.BUCKETS[base])
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob

@@ -44,6 +44,11 @@ flags.DEFINE_integer("calls", 20, "Traced back-to-back calls (after 3 warmup cal
 flags.DEFINE_integer("top", 25, "Rows of the table.")
 flags.DEFINE_string("trace_dir", None, "Keep the raw trace here (default: a temporary directory).")
 flags.DEFINE_string("json", None, "Write the summary as JSON to this path.")
+flags.DEFINE_bool(
+    "single_launch",
+    False,
+    "pallas_sm90: set tuning.SINGLE_LAUNCH in this process (the decode forward and its fold in one kernel).",
+)
 
 
 def main(argv):
@@ -60,6 +65,10 @@ def main(argv):
     why = cases.unavailable_reason(FLAGS.backend)
     if why:
         raise SystemExit(f"{FLAGS.backend}: {why}")
+    if FLAGS.single_launch:
+        from pallas_kernels import tuning
+
+        tuning.SINGLE_LAUNCH = True  # (this process only; read when the call is traced)
     fn = jax.jit(cases.build(spec))
     weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
@@ -76,6 +85,7 @@ def main(argv):
         backend=FLAGS.backend,
         entry=FLAGS.entry,
         mode=FLAGS.mode,
+        single_launch=FLAGS.single_launch,
         device=str(jax.devices()[0].device_kind),
         trace_dir=trace_dir,
     )

@@ -11,7 +11,8 @@
 #   overhead  (not in the default set) benchmarks.experiments.call_overhead --m 1,64: the trainer, the
 #             GEMM alone, the forward on pre-padded rows and the kernel alone, 10 and 100 calls per sync
 #   trace     benchmarks.experiments.trace_calls at M = 1: pallas_sm90 (with and without the entropy;
-#             TRACE_ENTROPY=0 leaves that one out) and the GEMM alone, per-kernel device time
+#             TRACE_ENTROPY=0 leaves that one out; TRACE_SINGLE=1 adds the decode single launch) and the
+#             GEMM alone, per-kernel device time
 #   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
 #   unpadded  (not in the default set) tests/gpu/test_pallas_gpu.py -k unpadded_rows: pk.forward with N
 #             rows passed unpadded (TMA's zero fill, the fold writing [N]) == the padded launch, M = 3, 300
@@ -22,7 +23,8 @@
 #             handoff8: the shipped ws buckets (swizzled hand-off) vs the eight-slice layout, trainer and serving;
 #             decode15: the decode kernel with unpadded rows / an 8-row hidden box; stagger15: the
 #             prefill / mid kernel with staggered wgmma warpgroups, M = 512 .. 16384, PROBE_LIMIT_S=300;
-#             pass1_8 is at 14e5aad)
+#             ceiling18: the shipped bucket's kernel alone, cuBLAS and JAX's Pallas Hopper GEMM (no
+#             epilogue) at M = 512 .. 16384, PROBE_LIMIT_S=330; pass1_8 is at 14e5aad)
 #   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
 #             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
 #             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_PYTEST=1,
@@ -62,6 +64,9 @@ if [[ $STAGES == *,trace,* ]]; then
   TAILN=16 stage trace_m1_pallas 60 $TRACE --backend pallas_sm90 --json "$OUT/trace_m1_pallas.json"
   if [[ ${TRACE_ENTROPY:-1} == 1 ]]; then
     TAILN=16 stage trace_m1_pallas_entropy 60 $TRACE --backend pallas_sm90 --entropy --json "$OUT/trace_m1_pallas_entropy.json"
+  fi
+  if [[ ${TRACE_SINGLE:-0} == 1 ]]; then
+    TAILN=16 stage trace_m1_pallas_single 60 $TRACE --backend pallas_sm90 --single_launch --json "$OUT/trace_m1_pallas_single.json"
   fi
   TAILN=8 stage trace_m1_gemm 60 $TRACE --backend gemm --json "$OUT/trace_m1_gemm.json"
 fi
