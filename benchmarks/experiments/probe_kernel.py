@@ -36,13 +36,13 @@ from benchmarks import baselines
 from benchmarks.experiments import kernel_timing as kt
 from detlogp_jax import api, grad
 from detlogp_jax import contract as C
-from pallas_kernels import sm90_fold, tuning
+from pallas_kernels import sm90_fold, tile_math, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -162,6 +162,23 @@ class Probe:
 
 CHAIN_IN_WGMMA = kt.CHAIN_IN_WGMMA
 DECODE_CHAIN_IN_WGMMA = kt.DECODE_CHAIN_IN_WGMMA
+
+
+def _chain_pass1_only(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, **kw):
+    """Timing stand-in for tile_math.chain_tile_sliced (group chain18, other bytes): pass 1 only
+    (the slices read, the masked row max, the target capture), no exp pass."""
+    del kw["row_cast"], kw["a"]
+    _, _, (_, _, m_new, _, _, z_hit) = tile_math._sliced_setup(
+        m, load_slice, kw["load_step"], kw["slices_per_step"], tcol0, tgt, inv_t, m_limit, full, ops, kw["tile_cast"]
+    )
+    return m_new, s, z_hit
+
+
+def _chain_one_slice(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, **kw):
+    """Timing stand-in for tile_math.chain_tile_sliced (group chain18, other bytes): one [BM, 8]
+    slice of the tile read and summed into S, nothing else (the hand-off consumed, no chain)."""
+    x = kw["load_step"](0)[0]() if kw["load_step"] is not None else load_slice(0)
+    return m, ops.add(s, tile_math.slice_sum8(x, ops, interpret=kw["interpret"])), s
 
 
 def _v(base, name, **kw):
@@ -294,6 +311,39 @@ def main(argv):
                 name = f"pallas gemm 128x128 wg={wg} minor={minor} width={width}"
                 p.generic("ceiling18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
             p.kernel("ceiling18", f"{base} again", m, tuning.BUCKETS[base])
+
+    if "chain18" in groups:
+        # What the chain costs the forward kernel (issue 18's forward bar): the shipped bucket's
+        # kernel alone, the same kernel with tile_math.chain_tile_sliced replaced (in this process,
+        # while that lane is built) by pass 1 only and by one slice read and summed (the pipeline
+        # and the hand-off without the chain), cuBLAS and JAX's Pallas Hopper GEMM. The stand-ins
+        # give other bytes (timing only).
+        w_dv = jax.block_until_ready(p.w.T.copy())
+        gemm_cfg = hopper_matmul.TuningConfig(
+            tile_m=128,
+            tile_n=128,
+            tile_k=64,
+            max_concurrent_steps=4,
+            grid_minor_dim=hopper_matmul.MatmulDimension.M,
+            grid_tile_width=4,
+            wg_dimension=hopper_matmul.MatmulDimension.M,
+        )
+        real_chain = tile_math.chain_tile_sliced
+        for m in (1, 512, 4096, 16384):
+            base = tuning.select_bucket(m).name
+            p.kernel("chain18", base, m, tuning.BUCKETS[base])
+            for tag, stand_in in (("pass 1 only", _chain_pass1_only), ("one slice, no chain", _chain_one_slice)):
+                tile_math.chain_tile_sliced = stand_in
+                try:
+                    p.kernel("chain18", f"{base} {tag}", m, _v(base, f"c18{base}{tag[:4]}"))
+                finally:
+                    tile_math.chain_tile_sliced = real_chain
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("chain18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+            if m >= 512:
+                fn = jax.jit(lambda h, w: hopper_matmul.matmul(h, w, None, gemm_cfg))
+                p.generic("chain18", "pallas gemm 128x128 wg=M minor=M width=4", m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+            p.kernel("chain18", f"{base} again", m, tuning.BUCKETS[base])
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob
