@@ -8,11 +8,15 @@ over the samples taken after the first second (the clock settles). The question 
 answers: is a fused kernel that runs slower than the GEMM alone, with the same
 pipeline, held back by the board's power limit (lower SM clock) rather than by its
 schedule? (The earlier third variant, the prefill kernel's pipeline without its chain,
-used the kernels' skip_epilogue diagnostic, which is gone: benchmarks/experiments/README.md.)
+used the kernels' skip_epilogue diagnostic, which is gone: benchmarks/experiments/README.md.
+`--stand_ins` puts it back as a timing stand-in: the same kernel with its chain replaced by
+`chain_stand_ins`' pass 1 only / one slice read, other bytes.) The kernel is the bucket
+`tuning.select_bucket(--m)` serves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -22,12 +26,18 @@ import jax
 from absl import app, flags
 
 from benchmarks import baselines
+from benchmarks.experiments import chain_stand_ins
 from benchmarks.experiments import kernel_timing as kt
 from pallas_kernels import tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("m", 16384, "Rows.")
 flags.DEFINE_float("seconds", 4.0, "Seconds of back-to-back calls per variant.")
+flags.DEFINE_bool(
+    "stand_ins",
+    False,
+    "Also the kernel with its chain replaced by chain_stand_ins' pass 1 only / one slice (other bytes).",
+)
 # --out (JSON lines output): kernel_timing's flag.
 
 
@@ -73,13 +83,20 @@ def main(argv):
         out.flush()
         print(json.dumps(row), flush=True)
 
-    ws = tuning.BUCKETS["prefill"]
+    ws = tuning.select_bucket(m)
     run, prep = kt.kernel_fn(m, ws)
     hp, tp, ip = prep(h, t)
-    record("pallas_sm90 prefill kernel", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+    record(f"pallas_sm90 {ws.name} kernel", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
     record("xla gemm alone (cuBLAS)", _sample(jax.jit(baselines.gemm), (h, w), FLAGS.seconds))
+    if FLAGS.stand_ins:
+        for tag, stand_in in chain_stand_ins.STAND_INS.items():
+            with chain_stand_ins.replaced_chain(stand_in):
+                cfg = dataclasses.replace(ws, name=f"{ws.name} {tag}")
+                run_s, _ = kt.kernel_fn(m, cfg)
+                jax.block_until_ready(run_s(hp, w, tp, ip))  # built (traced) inside the block
+            record(f"pallas_sm90 {ws.name} kernel, chain: {tag}", _sample(run_s, (hp, w, tp, ip), FLAGS.seconds))
     time.sleep(2)
-    record("pallas_sm90 prefill kernel (again)", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
+    record(f"pallas_sm90 {ws.name} kernel (again)", _sample(run, (hp, w, tp, ip), FLAGS.seconds))
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ from absl import app, flags
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper_matmul
 
 from benchmarks import baselines
+from benchmarks.experiments import chain_stand_ins
 from benchmarks.experiments import kernel_timing as kt
 from detlogp_jax import api, grad
 from detlogp_jax import contract as C
-from pallas_kernels import sm90_fold, tile_math, tuning
+from pallas_kernels import sm90_fold, tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -162,23 +163,6 @@ class Probe:
 
 CHAIN_IN_WGMMA = kt.CHAIN_IN_WGMMA
 DECODE_CHAIN_IN_WGMMA = kt.DECODE_CHAIN_IN_WGMMA
-
-
-def _chain_pass1_only(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, **kw):
-    """Timing stand-in for tile_math.chain_tile_sliced (group chain18, other bytes): pass 1 only
-    (the slices read, the masked row max, the target capture), no exp pass."""
-    del kw["row_cast"], kw["a"]
-    _, _, (_, _, m_new, _, _, z_hit) = tile_math._sliced_setup(
-        m, load_slice, kw["load_step"], kw["slices_per_step"], tcol0, tgt, inv_t, m_limit, full, ops, kw["tile_cast"]
-    )
-    return m_new, s, z_hit
-
-
-def _chain_one_slice(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, **kw):
-    """Timing stand-in for tile_math.chain_tile_sliced (group chain18, other bytes): one [BM, 8]
-    slice of the tile read and summed into S, nothing else (the hand-off consumed, no chain)."""
-    x = kw["load_step"](0)[0]() if kw["load_step"] is not None else load_slice(0)
-    return m, ops.add(s, tile_math.slice_sum8(x, ops, interpret=kw["interpret"])), s
 
 
 def _v(base, name, **kw):
@@ -315,9 +299,9 @@ def main(argv):
     if "chain18" in groups:
         # What the chain costs the forward kernel (issue 18's forward bar): the shipped bucket's
         # kernel alone, the same kernel with tile_math.chain_tile_sliced replaced (in this process,
-        # while that lane is built) by pass 1 only and by one slice read and summed (the pipeline
-        # and the hand-off without the chain), cuBLAS and JAX's Pallas Hopper GEMM. The stand-ins
-        # give other bytes (timing only).
+        # while that lane is built) by chain_stand_ins' pass 1 only, one slice read and summed (the
+        # pipeline and the hand-off without the chain) and both passes without the exp, next to
+        # cuBLAS and JAX's Pallas Hopper GEMM. The stand-ins give other bytes (timing only).
         w_dv = jax.block_until_ready(p.w.T.copy())
         gemm_cfg = hopper_matmul.TuningConfig(
             tile_m=128,
@@ -328,21 +312,19 @@ def main(argv):
             grid_tile_width=4,
             wg_dimension=hopper_matmul.MatmulDimension.M,
         )
-        real_chain = tile_math.chain_tile_sliced
         for m in (1, 512, 4096, 16384):
             base = tuning.select_bucket(m).name
             p.kernel("chain18", base, m, tuning.BUCKETS[base])
-            for tag, stand_in in (("pass 1 only", _chain_pass1_only), ("one slice, no chain", _chain_one_slice)):
-                tile_math.chain_tile_sliced = stand_in
-                try:
+            for tag, stand_in in chain_stand_ins.STAND_INS.items():
+                with chain_stand_ins.replaced_chain(stand_in):
                     p.kernel("chain18", f"{base} {tag}", m, _v(base, f"c18{base}{tag[:4]}"))
-                finally:
-                    tile_math.chain_tile_sliced = real_chain
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("chain18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             if m >= 512:
                 fn = jax.jit(lambda h, w: hopper_matmul.matmul(h, w, None, gemm_cfg))
-                p.generic("chain18", "pallas gemm 128x128 wg=M minor=M width=4", m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+                p.generic(
+                    "chain18", "pallas gemm 128x128 wg=M minor=M width=4", m, fn, [(h, w_dv) for h, _ in p.sets(m)]
+                )
             p.kernel("chain18", f"{base} again", m, tuning.BUCKETS[base])
 
     if "fold" in groups:
