@@ -258,18 +258,23 @@ def test_trace_summary_tells_repeated_kernels_apart():
 _EXPERIMENTS_DRY_RUN = r"""
 import dataclasses
 import json
-from benchmarks.experiments import gemm_ceiling, kernel_timing as kt, power_probe, probe_kernel
-from pallas_kernels import tuning
+import numpy as np
+from benchmarks.experiments import chain_stand_ins, gemm_ceiling, kernel_timing as kt, power_probe, probe_kernel
+from pallas_kernels import tile_math, tuning
 
 planned = []
+real_chain = tile_math.chain_tile_sliced
 
 class Recorder:
     def __init__(self, *a):
-        self.rows, self.w = [], None
+        self.rows, self.w = [], np.zeros((2, 3), np.float32)
     def sets(self, m):
         return [(None, None)] * 2
     def kernel(self, group, name, m, cfg, **kw):
         assert isinstance(cfg, (tuning.WgmmaForwardConfig, tuning.WsForwardConfig)), cfg
+        if group == "chain18":  # a stand-in's lane is built with the stand-in installed, the others not
+            stand_in = [f for tag, f in chain_stand_ins.STAND_INS.items() if name.endswith(tag)]
+            assert tile_math.chain_tile_sliced is (stand_in[0] if stand_in else real_chain), name
         kt.forward_build(cfg)
         planned.append([group, name, m, type(cfg).__name__])
     def generic(self, *a, **kw):
@@ -278,9 +283,12 @@ class Recorder:
         pass
 
 probe_kernel.Probe = Recorder
-groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15"
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15,ceiling18,chain18"
 probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
 probe_kernel.main([])
+assert tile_math.chain_tile_sliced is real_chain
+assert sum(g == "chain18" for g, *_ in planned) == 4 * (2 + len(chain_stand_ins.STAND_INS))
+assert sum(g == "ceiling18" for g, *_ in planned) == 5 * 2
 assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,
                                                      max_concurrent_steps=5, split_group=4)
 print(json.dumps(planned))
@@ -492,6 +500,48 @@ def test_mosaic_ir_hashes_fold_selector_prints_the_fold_lines(monkeypatch, capsy
     assert len(set(digests)) == 4 and all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
     with pytest.raises(SystemExit, match="unknown"):
         mh.main(["folds"])
+
+
+def test_chain_stand_ins_replace_the_chain_only_inside_the_block(monkeypatch):
+    """benchmarks.experiments.chain_stand_ins (probe_kernel's chain18, power_probe --stand_ins):
+    the prefill kernel built inside `replaced_chain(stand_in)` lowers for CUDA at the small shape
+    as a module of its own for each stand-in, the real chain is back after the block (also when
+    the block raises), and the kernel built after it is the shipped module again."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from benchmarks import mosaic_ir_hashes as mh
+    import pallas_kernels as pk
+    from benchmarks.experiments import chain_stand_ins
+    from pallas_kernels import tile_math, tuning
+
+    monkeypatch.setattr(mh.mosaic_core, "_run_serde_pass", mh.mosaic_core._run_serde_pass)
+    monkeypatch.setattr(mh, "_captured", [])
+    mh._capture_modules()
+    cfg = tuning.BUCKETS["prefill"]
+    m, d, v, v_rows = 72, 192, 1000, 1024
+    n_pad = tuning.padded_rows(m, cfg)
+    args = [mh._sds((n_pad, d), jnp.bfloat16), mh._sds((v_rows, d), jnp.bfloat16)]
+    args += [mh._sds((n_pad,), jnp.int32), mh._sds((n_pad,), jnp.float32)]
+    static = dict(n_pad=n_pad, d=d, lg_cols=tuning.logits_width(cfg, v, v_rows, False), geom=pk.shard_geometry(v, v_rows))
+    static.update(cfg=cfg, has_bias=False, return_logits=False, num_ctas=132, interpret=False, interpret_params=None)
+
+    def digest():
+        mh._lower(mh._forward_build(cfg), args, lg_rows=m, **static)
+        return mh._take()
+
+    real = tile_math.chain_tile_sliced
+    shipped = digest()
+    digests = []
+    for stand_in in chain_stand_ins.STAND_INS.values():
+        with chain_stand_ins.replaced_chain(stand_in):
+            assert tile_math.chain_tile_sliced is stand_in
+            digests.append(digest())
+        assert tile_math.chain_tile_sliced is real
+    assert len({shipped, *digests}) == 1 + len(digests), (shipped, digests)
+    with pytest.raises(RuntimeError, match="inside"):
+        with chain_stand_ins.replaced_chain(chain_stand_ins.one_slice):
+            raise RuntimeError("inside")
+    assert tile_math.chain_tile_sliced is real
+    assert digest() == shipped
 
 
 def test_call_overhead_times_each_lane(tmp_path):
