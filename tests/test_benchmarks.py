@@ -508,8 +508,8 @@ def test_chain_stand_ins_replace_the_chain_only_inside_the_block(monkeypatch):
     as a module of its own for each stand-in, the real chain is back after the block (also when
     the block raises), and the kernel built after it is the shipped module again."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from benchmarks import mosaic_ir_hashes as mh
     import pallas_kernels as pk
+    from benchmarks import mosaic_ir_hashes as mh
     from benchmarks.experiments import chain_stand_ins
     from pallas_kernels import tile_math, tuning
 
@@ -521,7 +521,9 @@ def test_chain_stand_ins_replace_the_chain_only_inside_the_block(monkeypatch):
     n_pad = tuning.padded_rows(m, cfg)
     args = [mh._sds((n_pad, d), jnp.bfloat16), mh._sds((v_rows, d), jnp.bfloat16)]
     args += [mh._sds((n_pad,), jnp.int32), mh._sds((n_pad,), jnp.float32)]
-    static = dict(n_pad=n_pad, d=d, lg_cols=tuning.logits_width(cfg, v, v_rows, False), geom=pk.shard_geometry(v, v_rows))
+    static = dict(
+        n_pad=n_pad, d=d, lg_cols=tuning.logits_width(cfg, v, v_rows, False), geom=pk.shard_geometry(v, v_rows)
+    )
     static.update(cfg=cfg, has_bias=False, return_logits=False, num_ctas=132, interpret=False, interpret_params=None)
 
     def digest():
