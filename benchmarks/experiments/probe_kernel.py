@@ -165,6 +165,27 @@ CHAIN_IN_WGMMA = kt.CHAIN_IN_WGMMA
 DECODE_CHAIN_IN_WGMMA = kt.DECODE_CHAIN_IN_WGMMA
 
 
+def _pallas_gemm(wg: str, minor: str, width: int):
+    """(name, jitted fn(hidden, weight [D, V])) of JAX's Pallas Hopper GEMM (hopper_matmul_mgpu:
+    128x128 tiles per warpgroup, two consumer warpgroups along `wg`, 4 stages, no epilogue), the
+    grid's minor dimension and tile width as given: the fourth session's two fastest
+    configurations are ("N", "M", 16) and ("M", "M", 4)
+    (benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl)."""
+    dim = hopper_matmul.MatmulDimension
+    cfg = hopper_matmul.TuningConfig(
+        tile_m=128,
+        tile_n=128,
+        tile_k=64,
+        max_concurrent_steps=4,
+        grid_minor_dim=dim[minor],
+        grid_tile_width=width,
+        wg_dimension=dim[wg],
+    )
+    return f"pallas gemm 128x128 wg={wg} minor={minor} width={width}", jax.jit(
+        lambda h, w: hopper_matmul.matmul(h, w, None, cfg)
+    )
+
+
 def _v(base, name, **kw):
     """A variant of a base config. epilogue_wgs picks the kernel: 0 the chain-in-wgmma kernel,
     1 or 2 the epilogue-warpgroup kernel (the shared launch fields carry over)."""
@@ -272,27 +293,13 @@ def main(argv):
         # benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl) on the weight as [D, V],
         # next to cuBLAS and the shipped bucket's kernel alone (timed before and after them).
         w_dv = jax.block_until_ready(p.w.T.copy())
-        configs = (
-            ("N", "M", 16, hopper_matmul.MatmulDimension.N, hopper_matmul.MatmulDimension.M),
-            ("M", "M", 4, hopper_matmul.MatmulDimension.M, hopper_matmul.MatmulDimension.M),
-        )
         for m in (512, 1024, 2048, 4096, 16384):
             base = tuning.select_bucket(m).name
             p.kernel("ceiling18", base, m, tuning.BUCKETS[base])
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("ceiling18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
-            for wg, minor, width, wg_dim, minor_dim in configs:
-                cfg = hopper_matmul.TuningConfig(
-                    tile_m=128,
-                    tile_n=128,
-                    tile_k=64,
-                    max_concurrent_steps=4,
-                    grid_minor_dim=minor_dim,
-                    grid_tile_width=width,
-                    wg_dimension=wg_dim,
-                )
-                fn = jax.jit(lambda h, w, cfg=cfg: hopper_matmul.matmul(h, w, None, cfg))
-                name = f"pallas gemm 128x128 wg={wg} minor={minor} width={width}"
+            for wg, minor, width in (("N", "M", 16), ("M", "M", 4)):
+                name, fn = _pallas_gemm(wg, minor, width)
                 p.generic("ceiling18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
             p.kernel("ceiling18", f"{base} again", m, tuning.BUCKETS[base])
 
@@ -303,15 +310,6 @@ def main(argv):
         # pipeline and the hand-off without the chain) and both passes without the exp, next to
         # cuBLAS and JAX's Pallas Hopper GEMM. The stand-ins give other bytes (timing only).
         w_dv = jax.block_until_ready(p.w.T.copy())
-        gemm_cfg = hopper_matmul.TuningConfig(
-            tile_m=128,
-            tile_n=128,
-            tile_k=64,
-            max_concurrent_steps=4,
-            grid_minor_dim=hopper_matmul.MatmulDimension.M,
-            grid_tile_width=4,
-            wg_dimension=hopper_matmul.MatmulDimension.M,
-        )
         for m in (1, 512, 4096, 16384):
             base = tuning.select_bucket(m).name
             p.kernel("chain18", base, m, tuning.BUCKETS[base])
@@ -321,10 +319,8 @@ def main(argv):
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("chain18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             if m >= 512:
-                fn = jax.jit(lambda h, w: hopper_matmul.matmul(h, w, None, gemm_cfg))
-                p.generic(
-                    "chain18", "pallas gemm 128x128 wg=M minor=M width=4", m, fn, [(h, w_dv) for h, _ in p.sets(m)]
-                )
+                name, fn = _pallas_gemm("M", "M", 4)
+                p.generic("chain18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
             p.kernel("chain18", f"{base} again", m, tuning.BUCKETS[base])
 
     if "fold" in groups:
