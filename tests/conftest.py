@@ -1,5 +1,6 @@
 """pytest setup: the repository root on sys.path, XLA's CPU thread pool wide enough for Pallas
-interpret mode, a per-test watchdog, GPU tests skipped without a Hopper GPU.
+interpret mode and its executions run inline, a per-test watchdog, GPU tests skipped without a
+Hopper GPU.
 Shared helpers live in tests/helpers.py."""
 
 import faulthandler
