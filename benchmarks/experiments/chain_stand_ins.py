@@ -15,8 +15,8 @@ from pallas_kernels import tile_math
 
 def pass1_only(m, s, load_slice, tcol0, tgt, inv_t, m_limit, full, ops, **kw):
     """Timing stand-in for tile_math.chain_tile_sliced (other bytes): pass 1 only
-    (the slices read, the masked row max, the target capture), no exp pass."""
-    del kw["row_cast"], kw["a"]
+    (the slices read, the masked row max, the target capture: the chain's own
+    `tile_math._sliced_setup`), no exp pass."""
     _, _, (_, _, m_new, _, _, z_hit) = tile_math._sliced_setup(
         m, load_slice, kw["load_step"], kw["slices_per_step"], tcol0, tgt, inv_t, m_limit, full, ops, kw["tile_cast"]
     )

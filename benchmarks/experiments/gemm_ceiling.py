@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
 from benchmarks import baselines
 from benchmarks.experiments import kernel_timing as kt
@@ -52,26 +51,12 @@ def main(argv):
     record("xla gemm (cuBLAS)", res)
     ref = np.asarray(ref, np.float32)
     wt = jax.block_until_ready(jnp.asarray(w).T.copy())  # [D, V]
-    sweep = itertools.product(
-        (128,),
-        (128, 192),
-        (hm.MatmulDimension.N, hm.MatmulDimension.M),
-        (hm.MatmulDimension.N, hm.MatmulDimension.M),
-        (4, 16),
-    )
-    for tile_m, tile_n, wg_dim, minor, width in sweep:
-        cfg = hm.TuningConfig(
-            tile_m=tile_m,
-            tile_n=tile_n,
-            tile_k=64,
-            max_concurrent_steps=4,
-            grid_minor_dim=minor,
-            grid_tile_width=width,
-            wg_dimension=wg_dim,
-        )
-        name = f"pallas hopper_matmul_mgpu tile {tile_m}x{tile_n} wg={wg_dim} minor={minor} width={width}"
+    sweep = itertools.product((128, 192), ("N", "M"), ("N", "M"), (4, 16))
+    for tile_n, wg, minor, width in sweep:
+        name = f"pallas hopper_matmul_mgpu tile 128x{tile_n} wg={wg} minor={minor} width={width}"
         try:
-            o, res = kt.time_calls(jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)), [(h, wt)], calls, samples)
+            fn = kt.pallas_gemm(tile_n=tile_n, wg=wg, minor=minor, width=width)
+            o, res = kt.time_calls(fn, [(h, wt)], calls, samples)
             ok = bool(np.allclose(np.asarray(o, np.float32), ref, rtol=2e-2, atol=2e-2))
             record(name, res, allclose_to_xla=ok)
         except Exception as e:  # a config that does not fit (shared memory, divisibility) is skipped

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper_matmul
 
 import pallas_kernels as pk
 from benchmarks import cases, shapes
@@ -111,6 +112,25 @@ def kernel_fn(m, cfg, *, return_logits=False, h_rows=None, row_rows=None, **buil
         )(h, w, t, invt)
 
     return run, prep
+
+
+def pallas_gemm(*, tile_n: int = 128, wg: str, minor: str, width: int):
+    """A jitted fn(hidden [M, D], weight [D, V]) of JAX's Pallas Hopper GEMM
+    (`hopper_matmul_mgpu`: 128-row tiles per warpgroup, 64-wide K slices, 4 stages, no epilogue),
+    the consumer warpgroups along `wg` and the grid's minor dimension `minor` ("M" or "N"), grid
+    tile width `width`: the GEMM-alone lanes of `gemm_ceiling` (its sweep) and `probe_kernel`'s
+    ceiling18 / chain18."""
+    dim = hopper_matmul.MatmulDimension
+    cfg = hopper_matmul.TuningConfig(
+        tile_m=128,
+        tile_n=tile_n,
+        tile_k=64,
+        max_concurrent_steps=4,
+        grid_minor_dim=dim[minor],
+        grid_tile_width=width,
+        wg_dimension=dim[wg],
+    )
+    return jax.jit(lambda h, w: hopper_matmul.matmul(h, w, None, cfg))
 
 
 def bits_equal(a, b):

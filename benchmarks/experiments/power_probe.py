@@ -10,7 +10,7 @@ pipeline, held back by the board's power limit (lower SM clock) rather than by i
 schedule? (The earlier third variant, the prefill kernel's pipeline without its chain,
 used the kernels' skip_epilogue diagnostic, which is gone: benchmarks/experiments/README.md.
 `--stand_ins` puts it back as a timing stand-in: the same kernel with its chain replaced by
-`chain_stand_ins`' pass 1 only / one slice read, other bytes.) The kernel is the bucket
+each of `chain_stand_ins.STAND_INS`, other bytes.) The kernel is the bucket
 `tuning.select_bucket(--m)` serves.
 """
 
@@ -36,7 +36,7 @@ flags.DEFINE_float("seconds", 4.0, "Seconds of back-to-back calls per variant.")
 flags.DEFINE_bool(
     "stand_ins",
     False,
-    "Also the kernel with its chain replaced by chain_stand_ins' pass 1 only / one slice (other bytes).",
+    "Also the kernel with its chain replaced by each of chain_stand_ins.STAND_INS (other bytes).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 

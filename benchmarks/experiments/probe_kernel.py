@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper_matmul
 
 from benchmarks import baselines
 from benchmarks.experiments import chain_stand_ins
@@ -166,24 +165,11 @@ DECODE_CHAIN_IN_WGMMA = kt.DECODE_CHAIN_IN_WGMMA
 
 
 def _pallas_gemm(wg: str, minor: str, width: int):
-    """(name, jitted fn(hidden, weight [D, V])) of JAX's Pallas Hopper GEMM (hopper_matmul_mgpu:
-    128x128 tiles per warpgroup, two consumer warpgroups along `wg`, 4 stages, no epilogue), the
-    grid's minor dimension and tile width as given: the fourth session's two fastest
-    configurations are ("N", "M", 16) and ("M", "M", 4)
+    """(name, fn) of a 128x128 Pallas Hopper GEMM lane (`kernel_timing.pallas_gemm`); the fourth
+    session's two fastest configurations are ("N", "M", 16) and ("M", "M", 4)
     (benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl)."""
-    dim = hopper_matmul.MatmulDimension
-    cfg = hopper_matmul.TuningConfig(
-        tile_m=128,
-        tile_n=128,
-        tile_k=64,
-        max_concurrent_steps=4,
-        grid_minor_dim=dim[minor],
-        grid_tile_width=width,
-        wg_dimension=dim[wg],
-    )
-    return f"pallas gemm 128x128 wg={wg} minor={minor} width={width}", jax.jit(
-        lambda h, w: hopper_matmul.matmul(h, w, None, cfg)
-    )
+    name = f"pallas gemm 128x128 wg={wg} minor={minor} width={width}"
+    return name, kt.pallas_gemm(wg=wg, minor=minor, width=width)
 
 
 def _v(base, name, **kw):

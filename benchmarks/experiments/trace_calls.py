@@ -66,6 +66,8 @@ def main(argv):
     if why:
         raise SystemExit(f"{FLAGS.backend}: {why}")
     if FLAGS.single_launch:
+        if FLAGS.backend != "pallas_sm90":
+            raise SystemExit(f"--single_launch is pallas_sm90's option, not {FLAGS.backend}'s")
         from pallas_kernels import tuning
 
         tuning.SINGLE_LAUNCH = True  # (this process only; read when the call is traced)
