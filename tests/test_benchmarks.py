@@ -262,7 +262,7 @@ import numpy as np
 from benchmarks.experiments import chain_stand_ins, gemm_ceiling, kernel_timing as kt, power_probe, probe_kernel
 from pallas_kernels import tile_math, tuning
 
-planned = []
+planned, clusters = [], []
 real_chain = tile_math.chain_tile_sliced
 
 class Recorder:
@@ -272,23 +272,27 @@ class Recorder:
         return [(None, None)] * 2
     def kernel(self, group, name, m, cfg, **kw):
         assert isinstance(cfg, (tuning.WgmmaForwardConfig, tuning.WsForwardConfig)), cfg
-        if group == "chain18":  # a stand-in's lane is built with the stand-in installed, the others not
+        if group in ("chain18", "shape19"):  # a stand-in's lane is built with the stand-in installed, the others not
             stand_in = [f for tag, f in chain_stand_ins.STAND_INS.items() if name.endswith(tag)]
             assert tile_math.chain_tile_sliced is (stand_in[0] if stand_in else real_chain), name
         kt.forward_build(cfg)
         planned.append([group, name, m, type(cfg).__name__])
+        if group == "shape19" and getattr(cfg, "cluster", 1) != 1:
+            clusters.append((group, name, m, cfg.cluster))
     def generic(self, *a, **kw):
         pass
     def record(self, *a, **kw):
         pass
 
 probe_kernel.Probe = Recorder
-groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15,ceiling18,chain18"
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15,ceiling18,chain18,shape19"
 probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
 probe_kernel.main([])
 assert tile_math.chain_tile_sliced is real_chain
 assert sum(g == "chain18" for g, *_ in planned) == 4 * (2 + len(chain_stand_ins.STAND_INS))
 assert sum(g == "ceiling18" for g, *_ in planned) == 5 * 2
+assert sum(g == "shape19" for g, *_ in planned) == 3 * 3 + 2
+assert sorted(clusters) == [("shape19", "mid cluster 2", 512, 2), ("shape19", "mid cluster 2", 2048, 2)]
 assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,
                                                      max_concurrent_steps=5, split_group=4)
 print(json.dumps(planned))

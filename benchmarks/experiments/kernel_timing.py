@@ -114,18 +114,18 @@ def kernel_fn(m, cfg, *, return_logits=False, h_rows=None, row_rows=None, **buil
     return run, prep
 
 
-def pallas_gemm(*, tile_n: int = 128, wg: str, minor: str, width: int):
+def pallas_gemm(*, tile_m: int = 128, tile_n: int = 128, stages: int = 4, wg: str, minor: str, width: int):
     """A jitted fn(hidden [M, D], weight [D, V]) of JAX's Pallas Hopper GEMM
-    (`hopper_matmul_mgpu`: 128-row tiles per warpgroup, 64-wide K slices, 4 stages, no epilogue),
-    the consumer warpgroups along `wg` and the grid's minor dimension `minor` ("M" or "N"), grid
-    tile width `width`: the GEMM-alone lanes of `gemm_ceiling` (its sweep) and `probe_kernel`'s
-    ceiling18 / chain18."""
+    (`hopper_matmul_mgpu`: [tile_m, tile_n] per warpgroup, 64-wide K slices, `stages` pipeline
+    stages, no epilogue but the output's store), the consumer warpgroups along `wg` and the grid's
+    minor dimension `minor` ("M" or "N"), grid tile width `width`: the GEMM-alone lanes of
+    `gemm_ceiling` (its sweep) and `probe_kernel`'s ceiling18 / chain18 / shape19."""
     dim = hopper_matmul.MatmulDimension
     cfg = hopper_matmul.TuningConfig(
-        tile_m=128,
+        tile_m=tile_m,
         tile_n=tile_n,
         tile_k=64,
-        max_concurrent_steps=4,
+        max_concurrent_steps=stages,
         grid_minor_dim=dim[minor],
         grid_tile_width=width,
         wg_dimension=dim[wg],

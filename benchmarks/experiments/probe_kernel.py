@@ -42,7 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -164,12 +164,14 @@ CHAIN_IN_WGMMA = kt.CHAIN_IN_WGMMA
 DECODE_CHAIN_IN_WGMMA = kt.DECODE_CHAIN_IN_WGMMA
 
 
-def _pallas_gemm(wg: str, minor: str, width: int):
-    """(name, fn) of a 128x128 Pallas Hopper GEMM lane (`kernel_timing.pallas_gemm`); the fourth
-    session's two fastest configurations are ("N", "M", 16) and ("M", "M", 4)
-    (benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl)."""
-    name = f"pallas gemm 128x128 wg={wg} minor={minor} width={width}"
-    return name, kt.pallas_gemm(wg=wg, minor=minor, width=width)
+def _pallas_gemm(wg: str, minor: str, width: int, tile_m: int = 128, tile_n: int = 128, stages: int = 4):
+    """(name, fn) of a Pallas Hopper GEMM lane (`kernel_timing.pallas_gemm`, [tile_m, tile_n] per
+    warpgroup); the fourth session's two fastest 128x128 configurations are ("N", "M", 16) and
+    ("M", "M", 4) (benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl)."""
+    name = f"pallas gemm {tile_m}x{tile_n} wg={wg} minor={minor} width={width}"
+    if stages != 4:
+        name += f" st{stages}"
+    return name, kt.pallas_gemm(tile_m=tile_m, tile_n=tile_n, stages=stages, wg=wg, minor=minor, width=width)
 
 
 def _v(base, name, **kw):
@@ -308,6 +310,29 @@ def main(argv):
                 name, fn = _pallas_gemm("M", "M", 4)
                 p.generic("chain18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
             p.kernel("chain18", f"{base} again", m, tuning.BUCKETS[base])
+
+    if "shape19" in groups:
+        # Why the mid pipeline without its chain is ~7% over the GEMM at M=512 (nineteenth session,
+        # chain18) while JAX's Pallas GEMM (128x128 per warpgroup, a 256x128 CTA tile, 4 stages) is
+        # at cuBLAS's time: that GEMM built at our kernel's CTA tile (two warpgroups of 64 x 192:
+        # the wgmma N that the Qwen3 split plan's 9-tile splits give, tuning.tiles_per_group) with
+        # our pipeline depth (3: the hand-off buffers take the rest of shared memory) and with 4;
+        # next to the shipped bucket, its pipeline alone (chain_stand_ins' one slice) and, at
+        # M <= 2048, the bucket in 2-CTA clusters multicasting the weight (bit-neutral).
+        w_dv = jax.block_until_ready(p.w.T.copy())
+        for m in (512, 2048, 4096):
+            base = tuning.select_bucket(m).name
+            p.kernel("shape19", base, m, tuning.BUCKETS[base])
+            with chain_stand_ins.replaced_chain(chain_stand_ins.one_slice):
+                p.kernel("shape19", f"{base} one slice, no chain", m, _v(base, f"s19{base}one"))
+            if m <= 2048:
+                p.kernel("shape19", f"{base} cluster 2", m, _v(base, f"s19{base}cl2", cluster=2))
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("shape19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+            for shape in (dict(), dict(tile_m=64, tile_n=192, stages=3), dict(tile_m=64, tile_n=192)):
+                name, fn = _pallas_gemm("M", "M", 4, **shape)
+                p.generic("shape19", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+            p.kernel("shape19", f"{base} again", m, tuning.BUCKETS[base])
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob
