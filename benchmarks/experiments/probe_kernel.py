@@ -42,7 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19, cluster19; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -333,6 +333,26 @@ def main(argv):
                 name, fn = _pallas_gemm("M", "M", 4, **shape)
                 p.generic("shape19", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
             p.kernel("shape19", f"{base} again", m, tuning.BUCKETS[base])
+
+    if "cluster19" in groups:
+        # The mid bucket in 2-CTA clusters multicasting the weight (bit-neutral) was 3-4% faster than
+        # the shipped mid at M=512 and slower at 2048 (shape19); where it pays, with the other work
+        # orders and with 32-wide K slices (6 stages in the same shared memory), next to cuBLAS.
+        for m in (384, 512, 768, 1024, 1536):
+            p.kernel("cluster19", "mid", m, tuning.BUCKETS["mid"])
+            p.kernel("cluster19", "mid cluster 2", m, _v("mid", "c19cl2", cluster=2))
+            p.kernel("cluster19", "mid cluster 2 split_group 4", m, _v("mid", "c19cl2g4", cluster=2, split_group=4))
+            p.kernel("cluster19", "mid cluster 2 split_group 1", m, _v("mid", "c19cl2g1", cluster=2, split_group=1))
+            p.kernel(
+                "cluster19",
+                "mid cluster 2 tile_k 32 st6",
+                m,
+                _v("mid", "c19cl2k32", cluster=2, tile_k=32, max_concurrent_steps=6),
+            )
+            p.kernel("cluster19", "mid tile_k 32 st6", m, _v("mid", "c19k32", tile_k=32, max_concurrent_steps=6))
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("cluster19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+            p.kernel("cluster19", "mid again", m, tuning.BUCKETS["mid"])
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob
