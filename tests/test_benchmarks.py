@@ -285,7 +285,7 @@ class Recorder:
         pass
 
 probe_kernel.Probe = Recorder
-groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15,ceiling18,chain18,shape19,cluster19"
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15,ceiling18,chain18,shape19,cluster19,depth19"
 probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
 probe_kernel.main([])
 assert tile_math.chain_tile_sliced is real_chain
@@ -293,6 +293,7 @@ assert sum(g == "chain18" for g, *_ in planned) == 4 * (2 + len(chain_stand_ins.
 assert sum(g == "ceiling18" for g, *_ in planned) == 5 * 2
 assert sum(g == "shape19" for g, *_ in planned) == 3 * 3 + 2
 assert sum(g == "cluster19" for g, *_ in planned) == 5 * 7
+assert sum(g == "depth19" for g, *_ in planned) == 2 * 5
 assert sorted(clusters) == [("shape19", "mid cluster 2", 512, 2), ("shape19", "mid cluster 2", 2048, 2)]
 assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,
                                                      max_concurrent_steps=5, split_group=4)

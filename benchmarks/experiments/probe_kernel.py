@@ -42,7 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19, cluster19; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19, cluster19, depth19; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -353,6 +353,20 @@ def main(argv):
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("cluster19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             p.kernel("cluster19", "mid again", m, tuning.BUCKETS["mid"])
+
+    if "depth19" in groups:
+        # The mid bucket's pipeline is 3 stages deep (its hand-off buffers take the rest of shared
+        # memory), and at that depth JAX's Pallas GEMM at the same CTA tile is ~8% over cuBLAS at
+        # M=512 (shape19). One wgmma warpgroup of 64 rows per CTA (the decode bucket's layout:
+        # half the hand-off, 5 stages, but twice the weight reads per row) at M = 512, 1024 in the
+        # three work orders, next to the shipped mid bucket and cuBLAS. The same bytes.
+        for m in (512, 1024):
+            p.kernel("depth19", "mid", m, tuning.BUCKETS["mid"])
+            for g in (0, 2, 4):
+                p.kernel("depth19", f"decode layout split_group {g}", m, _v("decode", f"d19g{g}", split_group=g))
+            sets = [(h, p.w) for h, _ in p.sets(m)]
+            p.generic("depth19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
+            p.kernel("depth19", "mid again", m, tuning.BUCKETS["mid"])
 
     if "fold" in groups:
         # The fold alone on pre-padded split-major partials, per layout / knob

@@ -28,7 +28,8 @@
 #             one slice read / both passes without the exp (timing only), M = 1 .. 16384, PROBE_LIMIT_S=420;
 #             shape19: JAX's Pallas GEMM at the kernel's CTA tile (2 x 64 x 192, 3 / 4 stages), the mid bucket
 #             in 2-CTA clusters, M = 512 .. 4096, PROBE_LIMIT_S=420; cluster19: the mid bucket in 2-CTA clusters,
-#             other work orders, 32-wide K slices, M = 384 .. 1536; pass1_8 is at 14e5aad)
+#             other work orders, 32-wide K slices, M = 384 .. 1536; depth19: one 64-row wgmma warpgroup per CTA
+#             (5 stages) at M = 512, 1024; pass1_8 is at 14e5aad)
 #   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
 #             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
 #             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_PYTEST=1,
