@@ -402,9 +402,11 @@ BUCKETS["mid"] = dataclasses.replace(BUCKETS["prefill"], name="mid", split_group
 FOLD = FoldConfig()
 # Whether `pallas_kernels.forward` (the op core's unsharded path) folds inside the forward kernel
 # (`forward(single_launch=None)`'s default; bit-neutral: the same fold program on the same
-# operands). Off: the single launch hung in its first H200 run (seventeenth session,
-# docs/PERF_NOTES.md); it may be turned on after `DECODE_STAGES=single bash tests/gpu/h200_decode.sh`,
-# the ladder and the golden replay pass with it and it is faster. Read at trace time.
+# operands). Off: on the H200 it gives the two launches' bytes (M = 1, 64, 300; nineteenth and
+# twentieth sessions, docs/PERF_NOTES.md) but is not faster at decode (the fold's latency stays),
+# and its fold is emitted once per 32-row block (slow compiles at larger M). It may be turned on
+# when it is faster and `SINGLE_PYTEST=1 DECODE_STAGES=single bash tests/gpu/h200_decode.sh`, the
+# ladder and the golden replay pass with it. Read at trace time.
 SINGLE_LAUNCH = False
 DZ = DzConfig()
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
