@@ -33,7 +33,7 @@
 #   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
 #             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
 #             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_PYTEST=1,
-#             tests/gpu/test_pallas_gpu.py -k single_launch (M = 1, 64, 300, every ws bucket, twice),
+#             tests/gpu/test_pallas_gpu.py -k single_launch (M = 1, 64 in every ws bucket, M = 300 in its own; twice),
 #             and if SINGLE_TIME=1, benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single
 #   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
 #             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
