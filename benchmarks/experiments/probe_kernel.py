@@ -104,6 +104,7 @@ class Probe:
         self.w = kt.weight()
         self.inputs = {}
         self.ref_bits = {}
+        self._w_dv = None
 
     def over_budget(self):
         return time.perf_counter() - self.t_start > self.budget_s
@@ -121,6 +122,13 @@ class Probe:
         if m not in self.inputs:
             self.inputs[m] = [kt.inputs(m, s) for s in (1, 2)]
         return self.inputs[m]
+
+    def dv_sets(self, m):
+        """(hidden, weight as [D, V]) argument sets for the Pallas GEMM lanes; the 1.2 GB
+        transpose is made once per process, on first use."""
+        if self._w_dv is None:
+            self._w_dv = jax.block_until_ready(self.w.T.copy())
+        return [(h, self._w_dv) for h, _ in self.sets(m)]
 
     def kernel(self, group, name, m, cfg, *, return_logits=False, ref_key=None, **fn_kw):
         if self.over_budget():
@@ -280,7 +288,6 @@ def main(argv):
         # (hopper_matmul_mgpu, its two fastest configurations in the fourth session's sweep,
         # benchmarks/results/h200_2026-11-30d/gemm_ceiling_m4096.jsonl) on the weight as [D, V],
         # next to cuBLAS and the shipped bucket's kernel alone (timed before and after them).
-        w_dv = jax.block_until_ready(p.w.T.copy())
         for m in (512, 1024, 2048, 4096, 16384):
             base = tuning.select_bucket(m).name
             p.kernel("ceiling18", base, m, tuning.BUCKETS[base])
@@ -288,7 +295,7 @@ def main(argv):
             p.generic("ceiling18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             for wg, minor, width in (("N", "M", 16), ("M", "M", 4)):
                 name, fn = _pallas_gemm(wg, minor, width)
-                p.generic("ceiling18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+                p.generic("ceiling18", name, m, fn, p.dv_sets(m))
             p.kernel("ceiling18", f"{base} again", m, tuning.BUCKETS[base])
 
     if "chain18" in groups:
@@ -297,7 +304,6 @@ def main(argv):
         # while that lane is built) by chain_stand_ins' pass 1 only, one slice read and summed (the
         # pipeline and the hand-off without the chain) and both passes without the exp, next to
         # cuBLAS and JAX's Pallas Hopper GEMM. The stand-ins give other bytes (timing only).
-        w_dv = jax.block_until_ready(p.w.T.copy())
         for m in (1, 512, 4096, 16384):
             base = tuning.select_bucket(m).name
             p.kernel("chain18", base, m, tuning.BUCKETS[base])
@@ -308,7 +314,7 @@ def main(argv):
             p.generic("chain18", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             if m >= 512:
                 name, fn = _pallas_gemm("M", "M", 4)
-                p.generic("chain18", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+                p.generic("chain18", name, m, fn, p.dv_sets(m))
             p.kernel("chain18", f"{base} again", m, tuning.BUCKETS[base])
 
     if "shape19" in groups:
@@ -319,7 +325,6 @@ def main(argv):
         # our pipeline depth (3: the hand-off buffers take the rest of shared memory) and with 4;
         # next to the shipped bucket, its pipeline alone (chain_stand_ins' one slice) and, at
         # M <= 2048, the bucket in 2-CTA clusters multicasting the weight (bit-neutral).
-        w_dv = jax.block_until_ready(p.w.T.copy())
         for m in (512, 2048, 4096):
             base = tuning.select_bucket(m).name
             p.kernel("shape19", base, m, tuning.BUCKETS[base])
@@ -331,13 +336,14 @@ def main(argv):
             p.generic("shape19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             for shape in (dict(), dict(tile_m=64, tile_n=192, stages=3), dict(tile_m=64, tile_n=192)):
                 name, fn = _pallas_gemm("M", "M", 4, **shape)
-                p.generic("shape19", name, m, fn, [(h, w_dv) for h, _ in p.sets(m)])
+                p.generic("shape19", name, m, fn, p.dv_sets(m))
             p.kernel("shape19", f"{base} again", m, tuning.BUCKETS[base])
 
     if "cluster19" in groups:
-        # The mid bucket in 2-CTA clusters multicasting the weight (bit-neutral) was 3-4% faster than
-        # the shipped mid at M=512 and slower at 2048 (shape19); where it pays, with the other work
+        # The mid bucket in 2-CTA clusters multicasting the weight (bit-neutral) looked 3-4% faster than
+        # the shipped mid at M=512 and was slower at 2048 (shape19); where it pays, with the other work
         # orders and with 32-wide K slices (6 stages in the same shared memory), next to cuBLAS.
+        # (H200, twentieth session: nowhere; the M=512 gain was the shipped lane's own spread.)
         for m in (384, 512, 768, 1024, 1536):
             p.kernel("cluster19", "mid", m, tuning.BUCKETS["mid"])
             p.kernel("cluster19", "mid cluster 2", m, _v("mid", "c19cl2", cluster=2))
