@@ -226,8 +226,11 @@ def fused_hashes():
     """The fourteenth session's modules (appended after the walk lines): the staged fold forming
     z_t from the forward's split captures (`sm90_fold.fold_transposed(ztT=)`, without and with
     the entropy: the fold of the shipped fused forward, `pk.forward`), and `pk.forward(unpadded=True)`
-    at M=8 in the decode bucket (an option, off by default): the ws forward kernel with
-    row_tma and the fold writing [N] outputs."""
+    at M=8 in the decode bucket: the ws forward kernel reading the rows' targets / inv_t by
+    scalar loads and hidden with an 8-row box (`row_loads`, `h_box_rows`; until the twenty-first
+    session `row_tma`, the line then named "decode row_tma") and the fold writing [N] outputs;
+    then (twenty-first session) M=1, whose fold also moves its row inputs and outputs by scalar
+    loads and stores (`scalar_rows`)."""
     from pallas_kernels import sm90_fold
 
     n, n_split = 300, 264
@@ -239,17 +242,19 @@ def fused_hashes():
 
         jax.jit(fn).trace(parts, parts, parts, parts, t, v).lower(lowering_platforms=("cuda",))
         yield f"fold staged zt_splits{' entropy' if ent else ''}", _take()
-    m, d, v_real, v_rows = 8, 4096, 151936, 152064
-    args = (_sds((m, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16), _sds((m,), jnp.int32), _sds((m,), jnp.float32))
+    d, v_real, v_rows = 4096, 151936, 152064
 
     def fwd(h, w, tt, it):
         return pk.forward(h, w, None, tt, it, vocab_size=v_real, padded_vocab_size=v_rows, unpadded=True)[:2]
 
-    jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",))
-    forward_module, fold_module = _captured[-2:]
-    _captured.clear()
-    yield f"forward M={m} decode row_tma (unpadded)", _digest(forward_module)
-    yield f"fold staged zt_splits n_out={m} (unpadded)", _digest(fold_module)
+    for m in (8, 1):
+        args = (_sds((m, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16), _sds((m,), jnp.int32))
+        args += (_sds((m,), jnp.float32),)
+        jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",))
+        forward_module, fold_module = _captured[-2:]
+        _captured.clear()
+        yield f"forward M={m} decode row_loads (unpadded)", _digest(forward_module)
+        yield f"fold staged zt_splits n_out={m}{' scalar_rows' if m % 8 else ''} (unpadded)", _digest(fold_module)
 
 
 def main(argv=None):

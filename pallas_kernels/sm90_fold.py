@@ -134,6 +134,7 @@ def build(
     entropy: bool = False,
     zt_splits: bool = False,
     n_out: int | None = None,
+    scalar_rows: bool = False,
 ):
     """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
 
@@ -152,6 +153,13 @@ def build(
     their results are not stored (TMA clips the store); every row's fold is its own, so the
     bytes of the real rows are the same. `fold_transposed` passes it for a multiple of 8 rows
     only (1 or 3 rows read wrong on the H200). None: n_out = n_pad, exactly the kernel without it.
+
+    scalar_rows (static, staged with zt_splits and n_out only; False builds exactly the kernel
+    without it): the row inputs and outputs move without TMA, for any n_out: each row's target
+    and inv_t by a scalar load (`interpret_utils.gather_rows`, indices clamped inside the
+    [n_out] arrays; rows past n_out get IGNORE_INDEX and 1.0, the padded arrays' values), each
+    real row's logp / lse (/ entropy) by a scalar store from the SMEM row the TMA store would
+    have read. Data movement only: the same values reach the same epilogue.
 
     entropy (static): the kernel takes the entropy statistic aT [n_split, n_pad] after
     sT and returns (logp, lse, entropy): in pass 2 each split's rescaled term
@@ -174,8 +182,8 @@ def build(
         plan = config_plan(
             cfg, n_split=n_split, vocab_size=vocab_size, interpret=interpret, entropy=entropy, zt_splits=zt_splits
         )
-        return _build_staged(plan, n_pad=n_pad, n_out=n_pad if n_out is None else n_out, kw=kw)
-    if zt_splits or n_out not in (None, n_pad):
+        return _build_staged(plan, n_pad=n_pad, n_out=n_pad if n_out is None else n_out, kw=kw, scalar_rows=scalar_rows)
+    if zt_splits or n_out not in (None, n_pad) or scalar_rows:
         raise ValueError("zt_splits and n_out need the staged fold (fold_transposed pads / forms z_t otherwise)")
     return _build_rowloop(
         n_split=n_split,
@@ -333,10 +341,13 @@ def kernel_plan(*, n_split, vocab_size, interpret, cfg=None, entropy=False) -> S
     )
 
 
-def _build_staged(plan: StagedPlan, *, n_pad, n_out, kw):
+def _build_staged(plan: StagedPlan, *, n_pad, n_out, kw, scalar_rows=False):
     br, entropy = plan.rows, plan.entropy
     assert n_pad % br == 0, (n_pad, br)
     assert 1 <= n_out <= n_pad, (n_out, n_pad)
+    if scalar_rows and not plan.zt_splits:
+        raise ValueError("scalar_rows needs zt_splits (z_t formed in the kernel: no row input left for TMA)")
+    n_blocks = -(-n_out // br)
     n_in, n_res = (6, 3) if entropy else (5, 2)
 
     def kernel(*refs):
@@ -344,21 +355,22 @@ def _build_staged(plan: StagedPlan, *, n_pad, n_out, kw):
         ins, outs, scratch = refs[:n_in], refs[n_in : n_in + n_res], refs[n_in + n_res :]
         if not entropy:
             ins, outs = (ins[0], ins[1], None, *ins[2:]), (*outs, None)
-        r0 = lax.axis_index("rows") * br
-        fold_row_block(plan, ins, outs, scratch, r0)
+        # (One row block: r0 is the constant 0, so scalar_rows touches only the real rows.)
+        r0 = 0 if n_blocks == 1 and scalar_rows else lax.axis_index("rows") * br
+        fold_row_block(plan, ins, outs, scratch, r0, scalar_rows=n_out if scalar_rows else None)
 
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((n_out,), F32),) * n_res,
         scratch_types=plan.scratch_types(),
-        grid=(-(-n_out // br),),
+        grid=(n_blocks,),
         grid_names=("rows",),
         compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
         **kw,
     )
 
 
-def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
+def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0, scalar_rows: int | None = None):
     """The staged fold of rows [r0, r0 + plan.rows) by one warpgroup (module docstring).
 
     ins: GMEM refs (mT, sT, aT or None, z_t or ztT (with `plan.zt_splits`), targets, inv_t),
@@ -367,7 +379,9 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
     `plan.scratch_types()`, in order. Every rounded op of a row is the contract's fold
     (`detlogp_jax.oracle.fold`) on the same operands in the same order, whatever r0 and
     whichever kernel calls it; rows are independent. Issues its own TMA copies and awaits them,
-    and ends with its stores complete (`wait_smem_to_gmem(0)`)."""
+    and ends with its stores complete (`wait_smem_to_gmem(0)`). scalar_rows = N (with
+    `plan.zt_splits`): targets / inv_t / the outputs are [N] arrays moved by scalar loads and
+    stores (`build(scalar_rows=True)`); r0 may then be a Python int."""
     n_split, br, g_n, chunk, unroll = plan.n_split, plan.rows, plan.g_n, plan.chunk, plan.unroll
     n_chunks, n_full, shape = plan.n_chunks, plan.n_full, plan.shape
     vocab_size, interpret, entropy, zt_splits = plan.vocab_size, plan.interpret, plan.entropy, plan.zt_splits
@@ -390,6 +404,8 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
     else:
         (m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in) = scratch
     cols = pl.ds(r0, br)
+    if scalar_rows is not None and not zt_splits:
+        raise ValueError("scalar_rows needs plan.zt_splits")
 
     def chunk_splits(c):
         return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
@@ -398,6 +414,8 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
     row_inputs = (
         ((tgt_ref, t_in), (invt_ref, i_in)) if zt_splits else ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in))
     )
+    if scalar_rows is not None:
+        row_inputs = ()
     for src, dst in row_inputs:
         plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
     for c in range(n_chunks):
@@ -482,8 +500,17 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
     for d in range(1, g_n):
         big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
 
-    plgpu.barrier_wait(bar_in)
-    invt = load(i_in)
+    if scalar_rows is None:
+        plgpu.barrier_wait(bar_in)
+        invt, tgt = load(i_in), None
+    else:
+
+        def gather(ref, fill):
+            return interpret_utils.gather_rows(
+                ref, r0, scalar_rows, br, fill, layout, interpret, shape=shape, axis=1
+            )
+
+        invt, tgt = gather(invt_ref, 1.0), gather(tgt_ref, C.IGNORE_INDEX)
     ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
 
     # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
@@ -528,15 +555,33 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0):
         acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
 
     zt = zt_or(zt_s, bar_z) if zt_splits else load(z_in)
+    tgt = load(t_in) if tgt is None else tgt
     if entropy:
-        logp, lse, h = _epilogue(acc[0], big_m, zt, load(t_in), invt, ops, vocab_size, acc_a=acc[1])
+        logp, lse, h = _epilogue(acc[0], big_m, zt, tgt, invt, ops, vocab_size, acc_a=acc[1])
     else:
-        logp, lse = _epilogue(acc, big_m, zt, load(t_in), invt, ops, vocab_size)
+        logp, lse = _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size)
     o_l[...] = logp
     o_s[...] = lse
     if entropy:
         o_h[...] = h
     sync()
+    if scalar_rows is not None:
+        # Row r's results are row 0, column r of the SMEM arrays (the g = 0 threads'); every
+        # thread stores the same word.
+        pairs = ((o_l, logp_ref), (o_s, lse_ref)) + (((o_h, h_ref),) if entropy else ())
+        for r in range(br):
+            if isinstance(r0, int):
+                if r0 + r < scalar_rows:
+                    for src, dst in pairs:
+                        dst[r0 + r] = src[0, r]
+            else:
+
+                @pl.when(r0 + r < scalar_rows)
+                def _store():
+                    for src, dst in pairs:
+                        dst[r0 + r] = src[0, r]
+
+        return
     plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
     plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
     if entropy:
@@ -822,6 +867,7 @@ def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw, entropy
         "entropy",
         "zt_splits",
         "n_out",
+        "scalar_rows",
     ),
 )
 def _fold_core(*args, **static):
@@ -854,6 +900,7 @@ def fold_transposed(
     interpret: bool = False,
     interpret_params=None,
     cfg: tuning.FoldConfig | None = None,
+    scalar_rows: bool = False,
     **knobs,
 ):
     """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]),
@@ -867,7 +914,8 @@ def fold_transposed(
     forward kernel's padded rows): targets / inv_t then have n_rows entries and the outputs
     are [n_rows]. On the GPU the staged kernel reads and writes exactly those when n_rows is
     a multiple of 8 (`build(n_out=)`: no padded targets / inv_t, no output slices); otherwise
-    and in interpret mode they are padded and sliced.
+    and in interpret mode they are padded and sliced, unless `scalar_rows` (with ztT): then the
+    kernel moves them with scalar loads and stores (`build(scalar_rows=True)`), for any n_rows.
 
     `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
     of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
@@ -901,6 +949,10 @@ def fold_transposed(
     # a multiple of 8 rows: 1-D TMA operands of 4 or 12 bytes (1 or 3 rows) read wrong on the
     # H200 (benchmarks/results/h200_2026-12-02d/call3_golden_packaged.log); 32 bytes were right.
     io_rows = cfg.staged and not interpret and rows < n and pad == 0 and rows % 8 == 0
+    # Other row counts (and interpret mode, whose scalar reads stay inside the arrays): the row
+    # inputs and outputs by scalar loads and stores (`build(scalar_rows=True)`), no pads, no slices.
+    scalar = cfg.staged and in_kernel and rows < n and pad == 0 and not io_rows and scalar_rows
+    io_rows = io_rows or scalar
 
     def p(x, val):
         short = n_pad - x.shape[-1]
@@ -924,6 +976,7 @@ def fold_transposed(
         entropy=entropy,
         zt_splits=in_kernel,
         **({"n_out": rows} if io_rows else {}),
+        **({"scalar_rows": True} if scalar else {}),
     )
     return out if io_rows else tuple(x[:rows] for x in out)
 

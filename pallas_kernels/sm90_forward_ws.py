@@ -70,6 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from detlogp_jax import contract as C
 from pallas_kernels import common, interpret_utils, ptx_ops, sm90_fold, tile_math, tuning
 from pallas_kernels.common import F32, TILE
 
@@ -119,6 +120,7 @@ def build(
     weight_layout: str = "vd",
     return_entropy: bool = False,
     row_tma: bool = False,
+    row_loads: int | None = None,
     h_box_rows: int | None = None,
     fold: "sm90_fold.StagedPlan | None" = None,
     fold_rows: int | None = None,
@@ -150,7 +152,14 @@ def build(
     loads tile_k / 2 rows of every column) instead of along the vocab rows. The "vd"
     module is the one built before this argument existed.
 
-    h_box_rows (static, an experiment for decode; None builds exactly the kernel without it):
+    row_loads (static; None builds exactly the kernel without it): targets and inv_t are the
+    N = row_loads real rows' arrays ([N], no padding), and the epilogue warpgroup reads each
+    row's entry with a scalar load (`interpret_utils.gather_rows`: indices clamped inside the
+    array, no TMA), giving the rows past N the padded launch's values (target IGNORE_INDEX,
+    inv_t 1.0); so every row's chain sees the values the padded arrays hold. For a decode call
+    (one row block, one epilogue warpgroup, no cluster), with `h_box_rows` for hidden: no pads.
+
+    h_box_rows (static; None builds exactly the kernel without it):
     the producer's hidden TMA box covers the first h_box_rows rows of the CTA's rows (a
     multiple of 8 below cta_rows) instead of all of them; the other rows of every pipeline
     slot are zeroed once by the producer before its first copy, so the wgmma A operand holds
@@ -243,6 +252,13 @@ def build(
             )
     n_fold_out = 0 if fold is None else (3 if return_entropy else 2)
     hb = cta_rows if h_box_rows is None else h_box_rows
+    if row_loads is not None and not (
+        0 < row_loads <= cta_rows and n_rb == 1 and cl == 1 and n_epi == 1 and not row_tma and fold is None
+    ):
+        raise ValueError(
+            f"row_loads ({row_loads}) needs 1 <= N <= {cta_rows} rows in one row block, one epilogue warpgroup, "
+            f"no cluster, no row_tma and no in-kernel fold (n_pad={n_pad}, {tuning.describe(cfg)})"
+        )
     if h_box_rows is not None and not (h_box_rows % 8 == 0 and 0 < h_box_rows < cta_rows and n_rb == 1 and cl == 1):
         raise ValueError(
             f"h_box_rows must be a multiple of 8 below {cta_rows}, with one row block and no cluster; "
@@ -480,6 +496,14 @@ def build(
                             plgpu.barrier_wait(rows_bar.at[ep])
                             tgts = [load(rows_t.at[b], row_l, interpret) for b in bufs]
                             invts = [load(rows_i.at[b], row_l, interpret) for b in bufs]
+                        elif row_loads is not None:
+                            # One row block and one epilogue warpgroup: buffer q holds rows q*bm ..
+                            # q*bm + bm - 1 (static), so only the real rows are loaded.
+                            def gather(ref, q, fill):
+                                return interpret_utils.gather_rows(ref, q * bm, row_loads, bm, fill, row_l, interpret)
+
+                            tgts = [gather(tgt_gmem, q, C.IGNORE_INDEX) for q in range(per_epi)]
+                            invts = [gather(invt_gmem, q, 1.0) for q in range(per_epi)]
                         else:
                             tgts = [load(tgt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]
                             invts = [load(invt_gmem.at[pl.ds(r, bm)], row_l, interpret) for r in rows]

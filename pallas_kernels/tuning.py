@@ -408,6 +408,12 @@ FOLD = FoldConfig()
 # when it is faster and `SINGLE_PYTEST=1 DECODE_STAGES=single bash tests/gpu/h200_decode.sh`, the
 # ladder and the golden replay pass with it. Read at trace time.
 SINGLE_LAUNCH = False
+# Whether `pallas_kernels.forward` passes rows unpadded (`forward(unpadded=None)`'s default;
+# bit-neutral: the real rows see the same values). On: a decode call (one row block) hands the
+# kernels its [N] targets / inv_t and N-row hidden as they are (scalar loads, a hidden box of N
+# rounded up to 8 rows) and the fold writes [N]: no pads, no output slices (twenty-first session;
+# `wrapper._launch(unpadded=)`). Read at trace time.
+UNPADDED_ROWS = False
 DZ = DzConfig()
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
 DW_GEMM = GradGemmConfig(cluster="m")

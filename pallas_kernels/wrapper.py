@@ -48,6 +48,8 @@ _STATIC = (
     "fold_rows",
     "return_entropy",
     "row_tma",
+    "row_loads",
+    "h_box_rows",
 )
 
 
@@ -182,11 +184,17 @@ def _launch(
         gives it); m, S, z_t and the logits are the same bytes either way. False
         launches exactly the kernels without the statistic.
       unpadded: where the config is an epilogue-warpgroup kernel (`tuning.WsForwardConfig`)
-        and N is not a multiple of its rows, pass hidden, targets and inv_t with N rows rounded
-        up to a multiple of 8 (`sm90_forward_ws.build(row_tma=True)`: TMA fills the rows past
-        them with zeros) instead of copies padded to the kernel's rows (interpret mode: padded
-        rows, the same kernel). The partials of the real rows are the same bytes; `targets_p` /
-        `inv_t_p` are then those shorter arrays.
+        and N is not a multiple of its rows, no row copies padded to the kernel's rows. In one
+        row block (a decode call: one epilogue warpgroup, no cluster) targets and inv_t go in
+        as they are, read by scalar loads (`sm90_forward_ws.build(row_loads=N)`), and hidden
+        with N rows (rounded up to 8 where N >= 8 is not a multiple of 8: Mosaic's tiled TMA
+        takes no other row count) read with a box of N rounded up to 8 rows (`h_box_rows`; a
+        64-row box mostly past the array made the kernel 5% slower, fifteenth session;
+        interpret mode pads hidden to the box). In several row blocks hidden, targets and
+        inv_t go in with N rounded up to a multiple of 8 rows (`row_tma=True`: TMA fills the
+        rows past them with zeros; interpret mode: padded rows, the same kernel). The partials
+        of the real rows are the same bytes; `targets_p` / `inv_t_p` are then those shorter
+        arrays.
       fold_in_kernel: a `tuning.FoldConfig` for `forward(single_launch=True)`: where the config
         is an epilogue-warpgroup kernel with one epilogue warpgroup, the head is unsharded and
         the fold of that config is staged (`sm90_fold.kernel_plan`), the forward kernel folds its
@@ -236,13 +244,32 @@ def _launch(
     # hidden in 8-row tiles, and Mosaic refuses other counts >= 8; with 1 or 3 rows of hidden,
     # targets and inv_t (4 / 12 bytes of a 1-D TMA operand) the H200 gave other bytes and a 13%
     # slower kernel at M=1, with 8 they were right: benchmarks/results/h200_2026-12-02d/).
-    row_tma = bool(unpadded) and isinstance(cfg, tuning.WsForwardConfig) and -(-n // 8) * 8 < n_pad
-    rows_in = -(-n // 8) * 8 if row_tma and not interpret else n_pad
-    args = [_pad_rows(hidden, rows_in), weight]
+    ws = isinstance(cfg, tuning.WsForwardConfig)
+    n8 = -(-n // 8) * 8
+    # One row block (a decode call): targets / inv_t as they are, read by scalar loads
+    # (`sm90_forward_ws.build(row_loads=N)`), hidden with N rows (N < 8 or a multiple of 8; else
+    # rounded up to 8) read with a box of its rows rounded up to 8 (`h_box_rows`). Interpret mode:
+    # hidden padded to the box (the interpreter's slices are bounded).
+    row_loads = (
+        bool(unpadded) and ws and n < n_pad == cfg.cta_rows and cfg.cluster == 1 and cfg.epilogue_wgs == 1
+    )
+    row_tma = bool(unpadded) and ws and not row_loads and n8 < n_pad
+    kernel_kw = {}
+    if row_loads:
+        box = n8 if n8 < cfg.cta_rows else None
+        h_rows = n_pad if box is None else (box if interpret or (n >= 8 and n % 8) else n)
+        args = [_pad_rows(hidden, h_rows), weight]
+        targets_p, inv_t_p = targets, inv_t
+        kernel_kw = {"row_loads": n, **({"h_box_rows": box} if box is not None else {})}
+    else:
+        rows_in = n8 if row_tma and not interpret else n_pad
+        args = [_pad_rows(hidden, rows_in), weight]
+        targets_p, inv_t_p = _pad_rows(targets, rows_in, C.IGNORE_INDEX), _pad_rows(inv_t, rows_in, 1.0)
+        if row_tma:
+            kernel_kw = {"row_tma": True}
     if bias is not None:
         width = (local_tiles + geom.n_groups * geom.tiles_per_group) * TILE
         args.append(jnp.pad(bias, (0, width - bias.shape[0])))
-    targets_p, inv_t_p = _pad_rows(targets, rows_in, C.IGNORE_INDEX), _pad_rows(inv_t, rows_in, 1.0)
     args += [targets_p, inv_t_p]
     # Logits rows: TMA clips rows past the array, but the array's row count
     # must be a multiple of 8 (or < 8) for the tiled store.
@@ -252,7 +279,7 @@ def _launch(
         raise ValueError(f"logits_cols must be in [1, {v_rows}], got {logits_cols}")
     lg_cols = tuning.logits_width(cfg, want_cols, v_rows, return_logits)  # else sliced after
     fold_kw = {}
-    if fold_in_kernel is not None and not row_tma:
+    if fold_in_kernel is not None and not kernel_kw:
         plan = sm90_fold.kernel_plan(
             n_split=geom.n_local,
             vocab_size=vocab_size,
@@ -279,7 +306,7 @@ def _launch(
         lg_rows=lg_rows,
         weight_layout=weight_layout,
         return_entropy=bool(return_entropy),
-        **({"row_tma": True} if row_tma else {}),
+        **kernel_kw,
         **fold_kw,
     )
     folded = None
@@ -342,7 +369,9 @@ def partials(hidden, weight, bias, targets, inv_t, **kw):
     return out + (r.a_t[:, :n].T,) if r.a_t is not None else out
 
 
-def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, single_launch=None, **kw):
+def forward(
+    hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=None, single_launch=None, unpadded=None, **kw
+):
     """fold(partials(...)) of an unsharded head in one call: (logp [N], lse [N], logits or None,
     entropy [N] or None (with return_entropy=True)), the same bytes as
     `sm90_fold.fold(*partials(...)[:3], targets, inv_t, vocab_size, a=...)` (the same two
@@ -364,10 +393,13 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     `_launch(fold_in_kernel=)` can, the forward kernel folds its own partials (its last CTA, after
     a grid semaphore: one launch instead of two), the same fold program on the same operands, so
     the same bytes; elsewhere the two kernels as without it."""
+    if unpadded is None:
+        unpadded = tuning.UNPADDED_ROWS and not single_launch
     if single_launch is None:
-        single_launch = tuning.SINGLE_LAUNCH and not kw.get("unpadded")
-    if single_launch and kw.get("unpadded"):
+        single_launch = tuning.SINGLE_LAUNCH and not unpadded
+    if single_launch and unpadded:
         raise ValueError("single_launch folds the padded rows: it does not take unpadded=True")
+    kw["unpadded"] = bool(unpadded)
     fold_in_kernel = sm90_fold.config(fold_cfg) if single_launch else None
     r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, fold_in_kernel=fold_in_kernel, **kw)
     if r.folded is not None:
@@ -386,6 +418,7 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
         interpret=kw.get("interpret", False),
         interpret_params=kw.get("interpret_params"),
         cfg=fold_cfg,
+        scalar_rows=bool(kw.get("unpadded")),
     )
     logp, lse = out[0][: r.n], out[1][: r.n]
     entropy = out[2][: r.n] if r.a_t is not None else None

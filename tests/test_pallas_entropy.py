@@ -396,21 +396,49 @@ def test_fused_forward_equals_partials_and_fold(n):
             _same(got[2], parts[4], f"logits {what}")
 
 
-@pytest.mark.parametrize("n,bucket", [(1, "decode"), (70, "mid")], ids=["M1-decode", "M70-mid"])
-def test_unpadded_forward_equals_padded_forward(n, bucket):
-    """pk.forward(unpadded=True) (the ws kernel built with row_tma: each work item's targets / inv_t
-    brought by TMA into shared memory; in interpret mode on padded rows, since the interpreter's
-    slices are bounded: the H200 test passes unpadded rows) == the default padded launch byte for
-    byte: logp, lse, entropy, logits, with bias, per-row T and the edge targets of _problem
-    (past the vocabulary but owned, past the weight, negative, ignored)."""
+@pytest.mark.parametrize(
+    "n,bucket,layout",
+    [(1, "decode", "vd"), (3, "decode", "dv"), (13, "decode", "vd"), (40, "decode", "vd"), (63, "decode", "vd")]
+    + [(70, "mid", "vd"), (200, "mid", "vd")],
+    ids=lambda x: str(x),
+)
+def test_unpadded_forward_equals_padded_forward(n, bucket, layout):
+    """pk.forward(unpadded=True) == the default padded launch byte for byte: logp, lse, entropy,
+    logits, with bias, per-row T and the edge targets of _problem (past the vocabulary but owned,
+    past the weight, negative, ignored). In one row block (M <= 64 decode, M = 70 in the mid
+    bucket's 128 rows) the forward kernel reads the [N] targets / inv_t by scalar loads
+    (`row_loads`) and hidden with a box of N rounded up to 8 rows (none at 63: 64 rows), and the
+    fold reads and writes [N] by scalar loads and stores (`scalar_rows`; at 40 rows two fold row
+    blocks, the second partly past N); in several row blocks (200) by TMA (`row_tma`; interpret
+    mode: padded rows, since the interpreter's slices are bounded)."""
+    from pallas_kernels import sm90_forward_ws, wrapper
+
     d, v, vl, vp = 128, 328, 384, 512
-    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=8)
+    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=8 + n)
+    if layout == "dv":
+        w = jnp.asarray(w).T
     tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
-    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2, bucket=bucket)
+    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2, bucket=bucket, weight_layout=layout)
     kw.update(return_entropy=True, return_logits=True, logits_cols=v)
-    got = pk.forward(h, w, b, tj, ij, unpadded=True, **kw)
+    built = []
+    real_build = sm90_forward_ws.build
+
+    def spy(**static):
+        built.append({k: static.get(k) for k in ("row_loads", "h_box_rows", "row_tma")})
+        return real_build(**static)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sm90_forward_ws, "build", spy)
+        wrapper._forward_core.clear_cache()  # (a cached trace would not call build)
+        got = pk.forward(h, w, b, tj, ij, unpadded=True, **kw)
+    one_block = n < tuning.select_bucket(n, bucket).cta_rows
+    n8 = -(-n // 8) * 8
+    box = n8 if n8 < tuning.select_bucket(n, bucket).cta_rows else None
+    want_kw = {"row_loads": n, "h_box_rows": box, "row_tma": None} if one_block else {"row_loads": None, "h_box_rows": None, "row_tma": True}
+    assert built == [want_kw], built
     want = pk.forward(h, w, b, tj, ij, **kw)
     for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
+        assert got[i].shape == want[i].shape
         _same(got[i], want[i], f"{name} n={n} {bucket}")
 
 

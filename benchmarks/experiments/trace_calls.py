@@ -49,6 +49,11 @@ flags.DEFINE_bool(
     False,
     "pallas_sm90: set tuning.SINGLE_LAUNCH in this process (the decode forward and its fold in one kernel).",
 )
+flags.DEFINE_bool(
+    "unpadded",
+    False,
+    "pallas_sm90: set tuning.UNPADDED_ROWS in this process (a decode call's rows passed without pads).",
+)
 
 
 def main(argv):
@@ -71,6 +76,12 @@ def main(argv):
         from pallas_kernels import tuning
 
         tuning.SINGLE_LAUNCH = True  # (this process only; read when the call is traced)
+    if FLAGS.unpadded:
+        if FLAGS.backend != "pallas_sm90":
+            raise SystemExit(f"--unpadded is pallas_sm90's option, not {FLAGS.backend}'s")
+        from pallas_kernels import tuning
+
+        tuning.UNPADDED_ROWS = True  # (this process only; read when the call is traced)
     fn = jax.jit(cases.build(spec))
     weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
@@ -88,6 +99,7 @@ def main(argv):
         entry=FLAGS.entry,
         mode=FLAGS.mode,
         single_launch=FLAGS.single_launch,
+        unpadded=FLAGS.unpadded,
         device=str(jax.devices()[0].device_kind),
         trace_dir=trace_dir,
     )

@@ -15,7 +15,8 @@
 #             GEMM alone, per-kernel device time
 #   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
 #   unpadded  (not in the default set) tests/gpu/test_pallas_gpu.py -k unpadded_rows: pk.forward with N
-#             rows passed unpadded (TMA's zero fill, the fold writing [N]) == the padded launch, M = 3, 300
+#             rows passed unpadded == the padded launch, M = 1, 3, 13, 40 (decode: scalar row loads, an
+#             N-row hidden box, the fold's scalar rows) and 300 (mid: TMA's zero fill); UNPADDED_LIMIT_S
 #   probe     (not in the default set) benchmarks.experiments.probe_kernel --groups $PROBE_GROUPS
 #             (default decode7: decode kernel variants, pipeline depth, tile_k 32, two CTAs per SM,
 #             next to the GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's
@@ -47,7 +48,7 @@ if [[ $STAGES == *,golden,* ]]; then
   TAILN=10 stage golden_packaged 150 python3 -m detlogp_jax.golden --backend pallas_sm90
 fi
 if [[ $STAGES == *,unpadded,* ]]; then
-  TAILN=8 stage pytest_unpadded 200 python3 -m pytest -v -x -rw tests/gpu/test_pallas_gpu.py -k unpadded_rows
+  TAILN=8 stage pytest_unpadded ${UNPADDED_LIMIT_S:-330} python3 -m pytest -v -x -rw tests/gpu/test_pallas_gpu.py -k unpadded_rows
 fi
 if [[ $STAGES == *,main,* ]]; then
   TAILN=25 stage main_job 180 bash scripts/run.sh --out_dir "$OUT/main_job"
