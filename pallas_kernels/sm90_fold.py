@@ -506,9 +506,7 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0, scalar_rows: int | 
     else:
 
         def gather(ref, fill):
-            return interpret_utils.gather_rows(
-                ref, r0, scalar_rows, br, fill, layout, interpret, shape=shape, axis=1
-            )
+            return interpret_utils.gather_rows(ref, r0, scalar_rows, br, fill, layout, interpret, shape=shape, axis=1)
 
         invt, tgt = gather(invt_ref, 1.0), gather(tgt_ref, C.IGNORE_INDEX)
     ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)

@@ -250,9 +250,7 @@ def _launch(
     # (`sm90_forward_ws.build(row_loads=N)`), hidden with N rows (N < 8 or a multiple of 8; else
     # rounded up to 8) read with a box of its rows rounded up to 8 (`h_box_rows`). Interpret mode:
     # hidden padded to the box (the interpreter's slices are bounded).
-    row_loads = (
-        bool(unpadded) and ws and n < n_pad == cfg.cta_rows and cfg.cluster == 1 and cfg.epilogue_wgs == 1
-    )
+    row_loads = bool(unpadded) and ws and n < n_pad == cfg.cta_rows and cfg.cluster == 1 and cfg.epilogue_wgs == 1
     row_tma = bool(unpadded) and ws and not row_loads and n8 < n_pad
     kernel_kw = {}
     if row_loads:

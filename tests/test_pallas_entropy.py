@@ -434,7 +434,11 @@ def test_unpadded_forward_equals_padded_forward(n, bucket, layout):
     one_block = n < tuning.select_bucket(n, bucket).cta_rows
     n8 = -(-n // 8) * 8
     box = n8 if n8 < tuning.select_bucket(n, bucket).cta_rows else None
-    want_kw = {"row_loads": n, "h_box_rows": box, "row_tma": None} if one_block else {"row_loads": None, "h_box_rows": None, "row_tma": True}
+    want_kw = (
+        {"row_loads": n, "h_box_rows": box, "row_tma": None}
+        if one_block
+        else {"row_loads": None, "h_box_rows": None, "row_tma": True}
+    )
     assert built == [want_kw], built
     want = pk.forward(h, w, b, tj, ij, **kw)
     for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
