@@ -408,12 +408,16 @@ FOLD = FoldConfig()
 # when it is faster and `SINGLE_PYTEST=1 DECODE_STAGES=single bash tests/gpu/h200_decode.sh`, the
 # ladder and the golden replay pass with it. Read at trace time.
 SINGLE_LAUNCH = False
-# Whether `pallas_kernels.forward` passes rows unpadded (`forward(unpadded=None)`'s default;
-# bit-neutral: the real rows see the same values). On: a decode call (one row block) hands the
-# kernels its [N] targets / inv_t and N-row hidden as they are (scalar loads, a hidden box of N
-# rounded up to 8 rows) and the fold writes [N]: no pads, no output slices (twenty-first session;
-# `wrapper._launch(unpadded=)`). Read at trace time.
-UNPADDED_ROWS = False
+# Whether `pallas_kernels.forward` passes a call's rows unpadded where they fit one row block
+# (`forward(unpadded=None)`'s default; bit-neutral: the real rows see the same values): a decode
+# call hands the kernels its [N] targets / inv_t and N-row hidden as they are (scalar loads, a
+# hidden box of N rounded up to 8 rows) and the fold writes [N]: no pads, no output slices
+# (`wrapper._launch(unpadded=)`). On since the twenty-first session (H200: golden replay 5/5 +
+# 5/5, the unpadded GPU test at M = 1, 3, 13, 40, 0 rows differing from the padded call at
+# M = 1, 8; M=1 traced: device busy 282.8 vs 290.4 us; benchmarks/results/h200_2026-12-03e/).
+# Calls of several row blocks stay padded (their `unpadded=True` path, TMA's zero fill of the
+# last block's box, is not timed). Read at trace time.
+UNPADDED_ROWS = True
 DZ = DzConfig()
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
 DW_GEMM = GradGemmConfig(cluster="m")

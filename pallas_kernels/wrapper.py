@@ -391,8 +391,12 @@ def forward(
     `_launch(fold_in_kernel=)` can, the forward kernel folds its own partials (its last CTA, after
     a grid semaphore: one launch instead of two), the same fold program on the same operands, so
     the same bytes; elsewhere the two kernels as without it."""
-    if unpadded is None:
-        unpadded = tuning.UNPADDED_ROWS and not single_launch
+    if unpadded is None:  # by default only a call in one row block (several: padded, as before)
+        n = int(np.shape(hidden)[0])
+        cfg = tuning.select_bucket(n, kw.get("bucket"))
+        one_block = n < tuning.padded_rows(n, cfg) == cfg.cta_rows
+        single = tuning.SINGLE_LAUNCH if single_launch is None else single_launch
+        unpadded = tuning.UNPADDED_ROWS and one_block and not single
     if single_launch is None:
         single_launch = tuning.SINGLE_LAUNCH and not unpadded
     if single_launch and unpadded:

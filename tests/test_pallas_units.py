@@ -725,7 +725,9 @@ def test_forward_has_no_xla_glue_where_the_rows_do_not_fill_the_kernel(n, bucket
         assert ops == ["custom_call", "custom_call"], ops
     padded = _forward_ops(n, bucket, unpadded=False)
     assert "pad" in padded and "slice" in padded and "gather" not in padded, padded
-    assert _forward_ops(n, bucket) == padded  # the default: padded rows (faster at M=1 on the H200)
+    # The default (tuning.UNPADDED_ROWS): unpadded in one row block, padded in several.
+    one_block = n < tuning.select_bucket(n, bucket).cta_rows
+    assert _forward_ops(n, bucket) == (_forward_ops(n, bucket, unpadded=True) if one_block else padded)
 
 
 @pytest.mark.parametrize("n,entropy", [(1, False), (64, True)])
@@ -763,6 +765,20 @@ def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
     )
     assert len(barrier_arrays) == 4 + len(plan.barrier_types()), barrier_arrays
     assert lower(False).count("stablehlo.custom_call") == 2
+
+
+def test_unpadded_default_follows_tuning(monkeypatch):
+    """pk.forward's unpadded=None takes tuning.UNPADDED_ROWS for a call in one row block (on: the
+    decode call lowers to the two kernels alone; off: the row pads and output slices are back),
+    never for several row blocks, and not where the single launch is on."""
+    assert tuning.UNPADDED_ROWS is True
+    assert _forward_ops(1) == _forward_ops(1, unpadded=True) != _forward_ops(1, unpadded=False)
+    assert _forward_ops(296) == _forward_ops(296, unpadded=False) != _forward_ops(296, unpadded=True)
+    monkeypatch.setattr(tuning, "UNPADDED_ROWS", False)
+    assert _forward_ops(1) == _forward_ops(1, unpadded=False)
+    monkeypatch.setattr(tuning, "UNPADDED_ROWS", True)
+    monkeypatch.setattr(tuning, "SINGLE_LAUNCH", True)
+    assert _forward_ops(1).count("custom_call") == 1
 
 
 def test_single_launch_default_follows_tuning(monkeypatch):
