@@ -54,8 +54,10 @@ def gather_rows(ref, base, n_rows: int, length: int, fill, layout, interpret: bo
     shape = (length,) if shape is None else tuple(shape)
     dtype = ref.dtype
     out = cast(jnp.full(shape, fill, dtype), layout, interpret)
-    pos = cast(lax.broadcasted_iota(jnp.int32, shape, axis), layout, interpret)
     static = isinstance(base, int)
+    if static and base >= n_rows:
+        return out  # no real row here (no unused iota either: Mosaic's layout inference fails on one)
+    pos = cast(lax.broadcasted_iota(jnp.int32, shape, axis), layout, interpret)
     for i in range(length):
         if static and base + i >= n_rows:
             break
