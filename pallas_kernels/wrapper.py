@@ -379,13 +379,12 @@ def forward(
     sizes no partials are transposed, sliced or padded again; and it forms each row's z_t
     from the forward's raw split captures itself (`sm90_fold.zt_from_splits`: the same
     bytes as `_launch`'s owner select, without that XLA op). Arguments: `_launch`'s
-    (`unpadded=True`: on the GPU a call whose N the kernel's rows do not divide passes
-    hidden, targets and inv_t with N rows rounded up to a multiple of 8 to both kernels and
-    the fold writes that many outputs itself: a decode call of 8, 16, ... rows has no row pads
-    and no output slices. The same bytes (H200), but off by default: at M=1 the forward kernel
-    took 316 us with it against 280 without (trace, benchmarks/results/h200_2026-12-02d/
-    call4_trace_m1_pallas.log), more than the pads and slices it removes; the cause was not
-    looked for);
+    (`unpadded`: None takes `tuning.UNPADDED_ROWS` (on) for a call whose rows fit one row block
+    of the kernel and are fewer (a decode call): the kernels get its [N] targets / inv_t and
+    N-row hidden as they are and the fold writes [N] (`_launch(unpadded=)`): no row pads, no
+    output slices; the same bytes (H200, twenty-first session: golden replay, the unpadded and
+    fused-forward GPU tests); calls of several row blocks stay padded unless `unpadded=True`
+    (hidden / targets / inv_t rounded up to 8 rows, TMA's zero fill; not timed);
     fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`);
     single_launch (an experiment for decode; None: `tuning.SINGLE_LAUNCH`, off): where
     `_launch(fold_in_kernel=)` can, the forward kernel folds its own partials (its last CTA, after
