@@ -216,7 +216,7 @@ class FoldConfig:
         _require(isinstance(self.staged, bool), self, f"staged must be a bool, got {self.staged}")
         # rows * 4 bytes per TMA row must be a multiple of 128 (the per-thread
         # arrival split of Pallas' TMA), and rows = 128 would not fit in SMEM.
-        _require(self.rows in (32, 64), self, f"rows must be 32 or 64, got {self.rows}")
+        _require(self.rows in (8, 16, 32, 64), self, f"rows must be 8, 16, 32 or 64, got {self.rows}")
         g_n = 128 // self.rows
         _require(
             _is_int(self.chunk) and self.chunk % g_n == 0 and 0 < self.chunk <= 256,
