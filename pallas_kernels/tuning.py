@@ -418,6 +418,14 @@ SINGLE_LAUNCH = False
 # Calls of several row blocks stay padded (their `unpadded=True` path, TMA's zero fill of the
 # last block's box, is not timed). Read at trace time.
 UNPADDED_ROWS = True
+# The fold `pallas_kernels.forward` runs for a call of at most 64 rows when no fold_cfg is given
+# (None: `FOLD`). FoldConfig(rows=8) lets 16 threads share a row's splits instead of 4 (bit-neutral:
+# the contract's chain and its order are unchanged): H200, M=1 traced, the fold 3.66-3.70 us vs
+# 5.06 with 32 rows (16 rows: 4.01), logp / lse / entropy bytes equal to the 32-row fold at
+# M = 1, 8, 40 (benchmarks/results/h200_2026-12-03e/call5_fold_rows.log, call6_trace_m1_fold*.log).
+# Off until the golden replay and the fused-forward GPU test pass with it (twenty-first session:
+# no device time was left for them).
+DECODE_FOLD: "FoldConfig | None" = None
 DZ = DzConfig()
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
 DW_GEMM = GradGemmConfig(cluster="m")

@@ -53,6 +53,10 @@ _STATIC = (
 )
 
 
+# Calls of at most this many rows fold with `tuning.DECODE_FOLD` (when set and no fold_cfg is given).
+DECODE_ROWS = 64
+
+
 def _kernel_module(cfg: tuning.ForwardConfig):
     """The kernel module whose `build` takes this config."""
     if isinstance(cfg, tuning.WsForwardConfig):
@@ -385,7 +389,8 @@ def forward(
     output slices; the same bytes (H200, twenty-first session: golden replay, the unpadded and
     fused-forward GPU tests); calls of several row blocks stay padded unless `unpadded=True`
     (hidden / targets / inv_t rounded up to 8 rows, TMA's zero fill; not timed);
-    fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`);
+    fold_cfg: the fold's `tuning.FoldConfig` (bit-neutral; default `tuning.FOLD`, or
+    `tuning.DECODE_FOLD` where that is set and N <= DECODE_ROWS);
     single_launch (an experiment for decode; None: `tuning.SINGLE_LAUNCH`, off): where
     `_launch(fold_in_kernel=)` can, the forward kernel folds its own partials (its last CTA, after
     a grid semaphore: one launch instead of two), the same fold program on the same operands, so
@@ -403,6 +408,8 @@ def forward(
     kw["unpadded"] = bool(unpadded)
     fold_in_kernel = sm90_fold.config(fold_cfg) if single_launch else None
     r = _launch(hidden, weight, bias, targets, inv_t, vocab_size=vocab_size, fold_in_kernel=fold_in_kernel, **kw)
+    if fold_cfg is None and tuning.DECODE_FOLD is not None and r.n <= DECODE_ROWS:
+        fold_cfg = tuning.DECODE_FOLD  # (read at trace time; bit-neutral)
     if r.folded is not None:
         logp, lse = r.folded[0][: r.n], r.folded[1][: r.n]
         return logp, lse, r.logits, (r.folded[2][: r.n] if r.a_t is not None else None)

@@ -474,3 +474,24 @@ def test_single_launch_forward_equals_two_kernels(n, bucket, num_ctas):
         assert (launched.folded is None) == (bucket == "small"), bucket
     with pytest.raises(ValueError, match="unpadded"):
         pk.forward(h, w, b, tj, ij, single_launch=True, unpadded=True, **kw)
+
+
+@pytest.mark.parametrize("n", [1, 13])
+def test_decode_fold_config_gives_the_same_bytes(n, monkeypatch):
+    """tuning.DECODE_FOLD (the fold pk.forward runs at N <= 64 rows when set; off by default):
+    FoldConfig(rows=8), 16 threads per row's splits, gives the bytes of the default 32-row fold:
+    logp, lse, entropy, with bias, per-row T and _problem's edge targets (interpret mode; the
+    row inputs by scalar loads at 1 and 13 rows, 13 rows over two 8-row fold blocks)."""
+    d, v, vl, vp = 128, 328, 384, 512
+    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=30 + n)
+    tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
+    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2, return_entropy=True)
+    assert tuning.DECODE_FOLD is None
+    want = pk.forward(h, w, b, tj, ij, **kw)
+    monkeypatch.setattr(tuning, "DECODE_FOLD", tuning.FoldConfig(rows=8))
+    used, real = [], sm90_fold.fold_transposed
+    monkeypatch.setattr(sm90_fold, "fold_transposed", lambda *a, **k: used.append(k["cfg"]) or real(*a, **k))
+    got = pk.forward(h, w, b, tj, ij, **kw)
+    assert used == [tuning.FoldConfig(rows=8)], used
+    for i, name in ((0, "logp"), (1, "lse"), (3, "entropy")):
+        _same(got[i], want[i], f"{name} n={n}")

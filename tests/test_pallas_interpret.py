@@ -138,6 +138,8 @@ _FOLD_VARIANTS = [
     pytest.param({}, id="default"),
     pytest.param({"chunk": 4}, id="staged-chunk4", marks=pytest.mark.slow),
     pytest.param({"rows": 64, "chunk": 6, "unroll": 5}, id="staged-rows64", marks=pytest.mark.slow),
+    pytest.param({"rows": 8, "chunk": 16}, id="staged-rows8"),
+    pytest.param({"rows": 16, "chunk": 24, "unroll": 7}, id="staged-rows16", marks=pytest.mark.slow),
     pytest.param({"staged": False}, id="rowloop", marks=pytest.mark.slow),
 ]
 
@@ -170,7 +172,7 @@ def test_fold_row_block_runs_inside_another_kernel():
     m, s, a, z_t, t, inv_t = entropy_fold_problem(n, ns, v, seed=4)
     plan = sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=32, chunk=8, entropy=True)
 
-    with pytest.raises(ValueError, match="rows must be 32 or 64"):
+    with pytest.raises(ValueError, match="rows must be 8, 16, 32 or 64"):
         sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=48, chunk=8)
 
     def kernel(mT, sT, aT, z, tt, it, logp, lse, h):
