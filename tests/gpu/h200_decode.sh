@@ -14,6 +14,9 @@
 #             TRACE_ENTROPY=0 leaves that one out; TRACE_SINGLE=1 adds the decode single launch) and the
 #             GEMM alone, per-kernel device time
 #   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
+#   decodefold (not in the default set) the checks tuning.DECODE_FOLD needs before it is shipped, with it
+#             set in the process (tests/gpu/with_decode_fold.py): the golden replay, the fused-forward
+#             test at M=1 (every bucket), an M=1 trace
 #   unpadded  (not in the default set) tests/gpu/test_pallas_gpu.py -k unpadded_rows: pk.forward with N
 #             rows passed unpadded == the padded launch, M = 1, 3, 13, 40 (decode: scalar row loads, an
 #             N-row hidden box, the fold's scalar rows) and 300 (mid: TMA's zero fill); UNPADDED_LIMIT_S
@@ -46,6 +49,12 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu -
 STAGES=",${DECODE_STAGES:-main,fold,entropy,fwd,trace},"
 if [[ $STAGES == *,golden,* ]]; then
   TAILN=10 stage golden_packaged 150 python3 -m detlogp_jax.golden --backend pallas_sm90
+fi
+if [[ $STAGES == *,decodefold,* ]]; then
+  WDF="python3 tests/gpu/with_decode_fold.py -m"
+  TAILN=10 stage golden_decode_fold 150 $WDF detlogp_jax.golden --backend pallas_sm90
+  TAILN=8 stage pytest_fused_m1_decode_fold 300 $WDF pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward and M1"
+  TAILN=16 stage trace_m1_decode_fold 60 $WDF benchmarks.experiments.trace_calls --shape qwen3_8b --m 1 --calls 20 --backend pallas_sm90 --json "$OUT/trace_m1_decode_fold.json"
 fi
 if [[ $STAGES == *,unpadded,* ]]; then
   TAILN=8 stage pytest_unpadded ${UNPADDED_LIMIT_S:-330} python3 -m pytest -v -x -rw tests/gpu/test_pallas_gpu.py -k unpadded_rows

@@ -1,0 +1,37 @@
+"""Runs a module as `python -m` does, with `pallas_kernels.tuning.DECODE_FOLD` set.
+
+    python3 tests/gpu/with_decode_fold.py -m detlogp_jax.golden --backend pallas_sm90
+    python3 tests/gpu/with_decode_fold.py -m pytest -q tests/gpu/test_pallas_gpu.py -k "fused_forward and M1"
+    python3 tests/gpu/with_decode_fold.py -m benchmarks.experiments.trace_calls --m 1 --backend pallas_sm90
+
+For validating the decode fold before it is shipped (twenty-first session): in this process
+only, `tuning.DECODE_FOLD = tuning.FoldConfig(rows=DECODE_FOLD_ROWS)` (environment, default 8),
+read when `pallas_kernels.forward` is traced, so `linear_logp` at N <= 64 rows folds with it
+exactly as it will once the default is flipped. Nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[0] != "-m":
+        raise SystemExit("usage: python3 tests/gpu/with_decode_fold.py -m MODULE [ARGS...]")
+    from pallas_kernels import tuning
+
+    tuning.DECODE_FOLD = tuning.FoldConfig(rows=int(os.environ.get("DECODE_FOLD_ROWS", "8")))
+    module = argv[1]
+    sys.argv = [module] + argv[2:]
+    print(f"with_decode_fold: tuning.DECODE_FOLD = {tuning.DECODE_FOLD} in this process; -m {module}")
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
