@@ -945,8 +945,9 @@ def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
 @pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
 def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entropy):
     """linear_logp on pallas_sm90, lowered for CUDA: the two kernels (forward, fold) with no
-    transpose of the split partials between them and only the three row pads (hidden, targets,
-    inv_t) -- the fused forward (`Backend.fused_forward`); the partials + fold route it replaced
+    transpose of the split partials between them and, at this one-row decode call, no row pad
+    either (`tuning.UNPADDED_ROWS`; the three row pads of hidden / targets / inv_t without it) --
+    the fused forward (`Backend.fused_forward`); the partials + fold route it replaced
     transposes and pads the partials again (the positive control)."""
     import detlogp_jax as dl
     from detlogp_jax import backends
@@ -967,6 +968,8 @@ def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entro
         text = jax.jit(f).trace(h, w, t).lower(lowering_platforms=("cuda",)).as_text()
         return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("custom_call", "transpose", "pad")}
 
+    assert ops(fake) == {"custom_call": 2, "transpose": 0, "pad": 0}
+    monkeypatch.setattr(tuning, "UNPADDED_ROWS", False)
     assert ops(fake) == {"custom_call": 2, "transpose": 0, "pad": 3}
     unfused = ops(dataclasses.replace(fake, fused_forward=None))
     assert unfused["custom_call"] == 2 and unfused["transpose"] > 0 and unfused["pad"] > 3, unfused
