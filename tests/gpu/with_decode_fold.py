@@ -13,24 +13,17 @@ exactly as it will once the default is flipped. Nothing is written anywhere.
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from with_entropy import check_usage, run_module  # (this script's folder is on sys.path)
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "-m":
-        raise SystemExit("usage: python3 tests/gpu/with_decode_fold.py -m MODULE [ARGS...]")
+    check_usage(argv, "with_decode_fold.py")
     from pallas_kernels import tuning
 
     tuning.DECODE_FOLD = tuning.FoldConfig(rows=int(os.environ.get("DECODE_FOLD_ROWS", "8")))
-    module = argv[1]
-    sys.argv = [module] + argv[2:]
-    print(f"with_decode_fold: tuning.DECODE_FOLD = {tuning.DECODE_FOLD} in this process; -m {module}")
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    run_module(argv, f"with_decode_fold: tuning.DECODE_FOLD = {tuning.DECODE_FOLD} in this process")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,22 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def main(argv: list[str]) -> None:
+def check_usage(argv: list[str], script: str) -> None:
+    """`-m MODULE [ARGS...]` or a usage error naming `script`."""
     if len(argv) < 2 or argv[0] != "-m":
-        raise SystemExit("usage: python3 tests/gpu/with_entropy.py -m MODULE [ARGS...]")
+        raise SystemExit(f"usage: python3 tests/gpu/{script} -m MODULE [ARGS...]")
+
+
+def run_module(argv: list[str], banner: str) -> None:
+    """Runs `argv[1]` as `python -m` would, with argv[2:] as its arguments, after printing banner."""
+    module = argv[1]
+    sys.argv = [module] + argv[2:]
+    print(f"{banner}; -m {module}")
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str]) -> None:
+    check_usage(argv, "with_entropy.py")
     import pallas_kernels.backend as pallas_backend
     from detlogp_jax import backends
 
@@ -33,10 +46,7 @@ def main(argv: list[str]) -> None:
     be = backends.get("pallas_sm90")
     if not be.entropy:  # loaded before the attribute was set (cannot happen from a fresh process)
         raise SystemExit("the pallas_sm90 entry was loaded before ENTROPY_VALIDATED could be set")
-    module = argv[1]
-    sys.argv = [module] + argv[2:]
-    print(f"with_entropy: pallas_sm90 declares the entropy (ENTROPY_VALIDATED=True in this process); -m {module}")
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    run_module(argv, "with_entropy: pallas_sm90 declares the entropy (ENTROPY_VALIDATED=True in this process)")
 
 
 if __name__ == "__main__":
