@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 
 def load(ref, layout, interpret: bool):
@@ -37,37 +35,6 @@ def cast(x, layout, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.layout_cast(x, layout)
-
-
-def gather_rows(ref, base, n_rows: int, length: int, fill, layout, interpret: bool, shape=None, axis: int = 0):
-    """Row inputs shorter than a box, read without TMA: an array of `shape` (default
-    (length,)) in `layout` whose entries at position i along `axis` (the same along the other
-    axis) are ref[base + i] where base + i < n_rows and `fill` elsewhere.
-
-    One scalar load per position (every thread loads the same word; the index is clamped to
-    n_rows - 1, so no read leaves the n_rows-entry array), merged by selects. For targets /
-    inv_t of a decode call passed unpadded: a 1-D TMA operand of 4 or 12 bytes read wrong on
-    the H200 (benchmarks/results/h200_2026-12-02d/), and a padded copy is an XLA op per call.
-    base: a Python int (positions at or past n_rows are then left out statically) or a traced
-    int32 (every position is loaded, clamped, and selected by base + i < n_rows). Pure data
-    movement: the values reaching the caller are the entries themselves."""
-    shape = (length,) if shape is None else tuple(shape)
-    dtype = ref.dtype
-    out = cast(jnp.full(shape, fill, dtype), layout, interpret)
-    static = isinstance(base, int)
-    if static and base >= n_rows:
-        return out  # no real row here (no unused iota either: Mosaic's layout inference fails on one)
-    pos = cast(lax.broadcasted_iota(jnp.int32, shape, axis), layout, interpret)
-    for i in range(length):
-        if static and base + i >= n_rows:
-            break
-        if static:
-            out = jnp.where(pos == i, ref[base + i], out)
-        else:
-            row = base + i
-            value = ref[jnp.minimum(row, n_rows - 1)]
-            out = jnp.where((pos == i) & (row < n_rows), value, out)
-    return out
 
 
 def load_and_cast(layout, interpret: bool):

@@ -15,7 +15,7 @@ Rows are independent: no row's bits depend on any other row.
 Two layouts of the same program (`tuning.FoldConfig.staged`; the shipped
 config is `tuning.FOLD`):
 
-* staged=True (default): a CTA (one warpgroup) folds `rows` (32 or 64) rows.
+* staged=True (default): a CTA (one warpgroup) folds `rows` (8, 16, 32 or 64) rows.
   All of its partials are first brought into shared memory by TMA (chunks
   of `chunk` splits, one mbarrier per chunk, so pass 1 starts on the first
   chunk while the rest is in flight). The 128 threads are G = 128 / rows
@@ -90,7 +90,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from detlogp_jax import contract as C
-from pallas_kernels import interpret_utils, ptx_ops, tile_math, tuning
+from pallas_kernels import common, interpret_utils, ptx_ops, tile_math, tuning
 
 F32 = jnp.float32
 FOLD_ROWS = 128  # rows per CTA of staged=False; a row padding that suits every variant (bit-neutral)
@@ -156,7 +156,7 @@ def build(
 
     scalar_rows (static, staged with zt_splits and n_out only; False builds exactly the kernel
     without it): the row inputs and outputs move without TMA, for any n_out: each row's target
-    and inv_t by a scalar load (`interpret_utils.gather_rows`, indices clamped inside the
+    and inv_t by a scalar load (`common.gather_rows`, indices clamped inside the
     [n_out] arrays; rows past n_out get IGNORE_INDEX and 1.0, the padded arrays' values), each
     real row's logp / lse (/ entropy) by a scalar store from the SMEM row the TMA store would
     have read. Data movement only: the same values reach the same epilogue.
@@ -221,7 +221,7 @@ def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size, acc_a=None):
 class StagedPlan:
     """The static shape of the staged fold of one row block: what `fold_row_block` runs.
 
-    rows (32 or 64) rows per warpgroup, G = 128 / rows split groups; `chunk` splits per TMA copy
+    rows (8, 16, 32 or 64) rows per warpgroup, G = 128 / rows split groups; `chunk` splits per TMA copy
     (raised by `staged_plan` so that one barrier array needs at most 32 barriers); `unroll`
     splits per chain trip. rows, chunk, unroll and interpret change no bit (`tuning.FoldConfig`)."""
 
@@ -299,7 +299,7 @@ def _is_barrier(scratch_type) -> bool:
 
 
 def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=False, zt_splits=False) -> StagedPlan:
-    """The plan `_build_staged` launches. Refuses what `tuning.FoldConfig` refuses (rows 32 or 64,
+    """The plan `_build_staged` launches. Refuses what `tuning.FoldConfig` refuses (rows 8, 16, 32 or 64,
     chunk a multiple of 128 / rows in (0, 256], unroll >= 1), and (ValueError) a row block whose
     partials do not fit in SMEM."""
     tuning.FoldConfig(rows=rows, chunk=chunk, unroll=unroll)  # the config's checks (bit-neutral fields)
@@ -345,8 +345,6 @@ def _build_staged(plan: StagedPlan, *, n_pad, n_out, kw, scalar_rows=False):
     br, entropy = plan.rows, plan.entropy
     assert n_pad % br == 0, (n_pad, br)
     assert 1 <= n_out <= n_pad, (n_out, n_pad)
-    if scalar_rows and not plan.zt_splits:
-        raise ValueError("scalar_rows needs zt_splits (z_t formed in the kernel: no row input left for TMA)")
     n_blocks = -(-n_out // br)
     n_in, n_res = (6, 3) if entropy else (5, 2)
 
@@ -506,7 +504,7 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0, scalar_rows: int | 
     else:
 
         def gather(ref, fill):
-            return interpret_utils.gather_rows(ref, r0, scalar_rows, br, fill, layout, interpret, shape=shape, axis=1)
+            return common.gather_rows(ref, r0, scalar_rows, br, fill, layout, interpret, shape=shape, axis=1)
 
         invt, tgt = gather(invt_ref, 1.0), gather(tgt_ref, C.IGNORE_INDEX)
     ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
@@ -567,18 +565,16 @@ def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0, scalar_rows: int | 
         # Row r's results are row 0, column r of the SMEM arrays (the g = 0 threads'); every
         # thread stores the same word.
         pairs = ((o_l, logp_ref), (o_s, lse_ref)) + (((o_h, h_ref),) if entropy else ())
+
+        def store(r):
+            for src, dst in pairs:
+                dst[r0 + r] = src[0, r]
+
         for r in range(br):
-            if isinstance(r0, int):
-                if r0 + r < scalar_rows:
-                    for src, dst in pairs:
-                        dst[r0 + r] = src[0, r]
-            else:
-
-                @pl.when(r0 + r < scalar_rows)
-                def _store():
-                    for src, dst in pairs:
-                        dst[r0 + r] = src[0, r]
-
+            if not isinstance(r0, int):  # a traced row block: its rows past N are skipped at run time
+                pl.when(r0 + r < scalar_rows)(functools.partial(store, r))
+            elif r0 + r < scalar_rows:
+                store(r)
         return
     plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
     plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
@@ -898,7 +894,6 @@ def fold_transposed(
     interpret: bool = False,
     interpret_params=None,
     cfg: tuning.FoldConfig | None = None,
-    scalar_rows: bool = False,
     **knobs,
 ):
     """fold() on split-major partials mT, sT [n_split, N]; returns (logp [N], lse [N]),
@@ -912,8 +907,9 @@ def fold_transposed(
     forward kernel's padded rows): targets / inv_t then have n_rows entries and the outputs
     are [n_rows]. On the GPU the staged kernel reads and writes exactly those when n_rows is
     a multiple of 8 (`build(n_out=)`: no padded targets / inv_t, no output slices); otherwise
-    and in interpret mode they are padded and sliced, unless `scalar_rows` (with ztT): then the
-    kernel moves them with scalar loads and stores (`build(scalar_rows=True)`), for any n_rows.
+    with ztT (the staged kernel forming z_t) for any other n_rows, and in interpret mode, the
+    kernel moves them by scalar loads and stores (`build(scalar_rows=True)`); otherwise they
+    are padded and sliced.
 
     `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
     of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
@@ -949,7 +945,7 @@ def fold_transposed(
     io_rows = cfg.staged and not interpret and rows < n and pad == 0 and rows % 8 == 0
     # Other row counts (and interpret mode, whose scalar reads stay inside the arrays): the row
     # inputs and outputs by scalar loads and stores (`build(scalar_rows=True)`), no pads, no slices.
-    scalar = cfg.staged and in_kernel and rows < n and pad == 0 and not io_rows and scalar_rows
+    scalar = in_kernel and rows < n and pad == 0 and not io_rows
     io_rows = io_rows or scalar
 
     def p(x, val):

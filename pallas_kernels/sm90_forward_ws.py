@@ -154,7 +154,7 @@ def build(
 
     row_loads (static; None builds exactly the kernel without it): targets and inv_t are the
     N = row_loads real rows' arrays ([N], no padding), and the epilogue warpgroup reads each
-    row's entry with a scalar load (`interpret_utils.gather_rows`: indices clamped inside the
+    row's entry with a scalar load (`common.gather_rows`: indices clamped inside the
     array, no TMA), giving the rows past N the padded launch's values (target IGNORE_INDEX,
     inv_t 1.0); so every row's chain sees the values the padded arrays hold. For a decode call
     (one row block, one epilogue warpgroup, no cluster), with `h_box_rows` for hidden: no pads.
@@ -500,7 +500,7 @@ def build(
                             # One row block and one epilogue warpgroup: buffer q holds rows q*bm ..
                             # q*bm + bm - 1 (static), so only the real rows are loaded.
                             def gather(ref, q, fill):
-                                return interpret_utils.gather_rows(ref, q * bm, row_loads, bm, fill, row_l, interpret)
+                                return common.gather_rows(ref, q * bm, row_loads, bm, fill, row_l, interpret)
 
                             tgts = [gather(tgt_gmem, q, C.IGNORE_INDEX) for q in range(per_epi)]
                             invts = [gather(invt_gmem, q, 1.0) for q in range(per_epi)]

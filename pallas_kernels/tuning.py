@@ -207,15 +207,16 @@ class FoldConfig:
     """The split fold (`sm90_fold`); every field is bit-neutral (see its module docstring)."""
 
     staged: bool = True  # all partials of a CTA's rows in SMEM (else one row per thread, 128 rows per CTA)
-    rows: int = 32  # staged: rows per CTA (32 or 64)
+    rows: int = 32  # staged: rows per CTA (8, 16, 32 or 64)
     chunk: int = 64  # staged: splits per TMA copy (a multiple of 128 / rows in (0, 256]; raised to
     # ceil(n_split / 32) at least)
     unroll: int | None = None  # splits per loop trip (staged: of the chain, 32; else of both passes, 8)
 
     def __post_init__(self):
         _require(isinstance(self.staged, bool), self, f"staged must be a bool, got {self.staged}")
-        # rows * 4 bytes per TMA row must be a multiple of 128 (the per-thread
-        # arrival split of Pallas' TMA), and rows = 128 would not fit in SMEM.
+        # rows = 128 would not fit in SMEM. (Until the twenty-first session only 32 / 64, for
+        # TMA rows of a multiple of 128 bytes; 8 and 16 rows, 32- / 64-byte TMA rows, lower and
+        # gave the 32-row fold's bytes on the H200: benchmarks/results/h200_2026-12-03e/call5_fold_rows.log.)
         _require(self.rows in (8, 16, 32, 64), self, f"rows must be 8, 16, 32 or 64, got {self.rows}")
         g_n = 128 // self.rows
         _require(
@@ -270,6 +271,13 @@ def padded_rows(n_rows: int, cfg: ForwardConfig) -> int:
     """Rows of the padded operands for n_rows real rows (at least one row block per cluster CTA)."""
     q = cfg.row_quantum
     return max(-(-n_rows // q), 1) * q
+
+
+def one_row_block(n_rows: int, cfg: ForwardConfig) -> bool:
+    """Whether n_rows real rows leave part of the config's one row block empty (a decode call:
+    its rows may go in unpadded, `wrapper._launch(unpadded=)`; never with a cluster, whose
+    quantum is two row blocks)."""
+    return n_rows < padded_rows(n_rows, cfg) == cfg.cta_rows
 
 
 def persistent_ctas(n_pad: int, n_local: int, cfg: ForwardConfig, max_ctas: int) -> int:
@@ -538,6 +546,7 @@ __all__ = [
     "select_bucket",
     "tiles_per_group",
     "padded_rows",
+    "one_row_block",
     "logits_width",
     "persistent_ctas",
     "pipeline_stages",

@@ -53,8 +53,9 @@ _STATIC = (
 )
 
 
-# Calls of at most this many rows fold with `tuning.DECODE_FOLD` (when set and no fold_cfg is given).
-DECODE_ROWS = 64
+# Calls of at most this many rows (the decode bucket's) fold with `tuning.DECODE_FOLD` (when set
+# and no fold_cfg is given).
+DECODE_ROWS = tuning.BUCKET_TABLE[0][0]
 
 
 def _kernel_module(cfg: tuning.ForwardConfig):
@@ -254,7 +255,7 @@ def _launch(
     # (`sm90_forward_ws.build(row_loads=N)`), hidden with N rows (N < 8 or a multiple of 8; else
     # rounded up to 8) read with a box of its rows rounded up to 8 (`h_box_rows`). Interpret mode:
     # hidden padded to the box (the interpreter's slices are bounded).
-    row_loads = bool(unpadded) and ws and n < n_pad == cfg.cta_rows and cfg.cluster == 1 and cfg.epilogue_wgs == 1
+    row_loads = bool(unpadded) and ws and tuning.one_row_block(n, cfg) and cfg.epilogue_wgs == 1
     row_tma = bool(unpadded) and ws and not row_loads and n8 < n_pad
     kernel_kw = {}
     if row_loads:
@@ -395,14 +396,14 @@ def forward(
     `_launch(fold_in_kernel=)` can, the forward kernel folds its own partials (its last CTA, after
     a grid semaphore: one launch instead of two), the same fold program on the same operands, so
     the same bytes; elsewhere the two kernels as without it."""
+    explicit_single = single_launch is not None
+    single_launch = single_launch if explicit_single else tuning.SINGLE_LAUNCH
     if unpadded is None:  # by default only a call in one row block (several: padded, as before)
         n = int(np.shape(hidden)[0])
-        cfg = tuning.select_bucket(n, kw.get("bucket"))
-        one_block = n < tuning.padded_rows(n, cfg) == cfg.cta_rows
-        single = tuning.SINGLE_LAUNCH if single_launch is None else single_launch
-        unpadded = tuning.UNPADDED_ROWS and one_block and not single
-    if single_launch is None:
-        single_launch = tuning.SINGLE_LAUNCH and not unpadded
+        one_block = tuning.one_row_block(n, tuning.select_bucket(n, kw.get("bucket")))
+        unpadded = tuning.UNPADDED_ROWS and one_block and not single_launch
+    elif not explicit_single:
+        single_launch = single_launch and not unpadded
     if single_launch and unpadded:
         raise ValueError("single_launch folds the padded rows: it does not take unpadded=True")
     kw["unpadded"] = bool(unpadded)
@@ -426,7 +427,6 @@ def forward(
         interpret=kw.get("interpret", False),
         interpret_params=kw.get("interpret_params"),
         cfg=fold_cfg,
-        scalar_rows=bool(kw.get("unpadded")),
     )
     logp, lse = out[0][: r.n], out[1][: r.n]
     entropy = out[2][: r.n] if r.a_t is not None else None

@@ -771,6 +771,15 @@ def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
     assert lower(False).count("stablehlo.custom_call") == 2
 
 
+def test_one_row_block_is_a_call_that_leaves_its_one_row_block_part_empty():
+    """tuning.one_row_block: the calls whose rows go in unpadded by default (decode): fewer rows
+    than the config's one row block; not a full block, not several, not a 2-CTA cluster's pair."""
+    dec, mid = tuning.BUCKETS["decode"], tuning.BUCKETS["mid"]
+    assert tuning.one_row_block(1, dec) and tuning.one_row_block(63, dec) and tuning.one_row_block(70, mid)
+    assert not tuning.one_row_block(64, dec) and not tuning.one_row_block(65, dec)
+    assert not tuning.one_row_block(1, dataclasses.replace(mid, cluster=2))
+
+
 def test_unpadded_default_follows_tuning(monkeypatch):
     """pk.forward's unpadded=None takes tuning.UNPADDED_ROWS for a call in one row block (on: the
     decode call lowers to the two kernels alone; off: the row pads and output slices are back),

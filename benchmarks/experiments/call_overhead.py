@@ -16,8 +16,10 @@ lane, the same compiled executable is timed five ways (median over `--samples` s
 * `gap10_us` = sample10 - sample100: the per-call share of what one sync and the first
   dispatch cost in a 10-call sample.
 
-Lanes: `trainer`, `unpadded` (the trainer traced with `tuning.UNPADDED_ROWS`: a decode call's
-rows passed without pads; its logp / lse bytes against the trainer's are printed), `gemm` and
+Lanes: `trainer` (as shipped), `unpadded` / `rows_padded` (the trainer traced with
+`tuning.UNPADDED_ROWS` on / off: a decode call's rows passed without / with pads; their logp /
+lse bytes against the trainer's are printed; before 2026-12-04 `trainer` itself was traced with
+it off whenever `unpadded` existed as a lane), `gemm` and
 `gemm_remat` (the runner's own functions,
 `benchmarks.cases.build`; with `--mode fwd_bwd` their training step: is the runner's time
 above the trace's busy time at M=4096 (31.35 vs 29.49 ms; the four cuBLAS GEMMs 30.17 vs
@@ -117,11 +119,12 @@ def lanes_for(shape, m: int, names) -> dict:
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, m)
     got = {}
     for name in names:
-        if name in ("trainer", "unpadded", "gemm", "gemm_remat"):
-            backend = "pallas_sm90" if name in ("trainer", "unpadded") else name
+        if name in ("trainer", "unpadded", "rows_padded", "gemm", "gemm_remat"):
+            backend = "pallas_sm90" if name in ("trainer", "unpadded", "rows_padded") else name
             spec = cases.CaseSpec(backend=backend, shape=shape, mode=FLAGS.mode)
             saved = tuning.UNPADDED_ROWS
-            tuning.UNPADDED_ROWS = name == "unpadded" or (saved and name != "trainer")  # read when traced
+            # (read when traced; "trainer" keeps the shipped default)
+            tuning.UNPADDED_ROWS = {"unpadded": True, "rows_padded": False}.get(name, saved)
             try:
                 f = jax.jit(cases.build(spec)).lower(hidden, weight, targets).compile()
             finally:
@@ -192,11 +195,12 @@ def main(argv):
                     print(
                         f"M={m} {k}: single launch (call {i + 1}) rows differing from padded: {int((g != want).sum())}"
                     )
-        if "trainer" in outs and "unpadded" in outs:
-            for k in ("logp", "lse"):
-                a = np.asarray(outs["trainer"][k], np.float32).view(np.uint32)
-                b = np.asarray(outs["unpadded"][k], np.float32).view(np.uint32)
-                print(f"M={m} {k}: unpadded rows differing from trainer: {int((a != b).sum())} of {a.size}")
+        for other in ("unpadded", "rows_padded"):
+            if "trainer" in outs and other in outs:
+                for k in ("logp", "lse"):
+                    a = np.asarray(outs["trainer"][k], np.float32).view(np.uint32)
+                    b = np.asarray(outs[other][k], np.float32).view(np.uint32)
+                    print(f"M={m} {k}: {other} rows differing from trainer: {int((a != b).sum())} of {a.size}")
         if "trainer" in outs and "padded" in outs and FLAGS.mode == "fwd":
             for k in ("logp", "lse"):
                 a = np.asarray(outs["trainer"][k], np.float32)

@@ -6,7 +6,7 @@ At M=1 the staged fold (`tuning.FoldConfig`, 32 rows per warpgroup: G = 4 thread
 share its 264 splits) takes ~5 us of the decode call; with 8 rows per warpgroup G = 16 threads
 share a row's splits (a quarter of the exp programs per thread), the contract's chain and its
 order unchanged. For each M and rows value: the fold alone on the forward kernel's split-major
-partials (`sm90_fold.fold_transposed(ztT=, n_rows=M, scalar_rows=True)`, the call `pk.forward`
+partials (`sm90_fold.fold_transposed(ztT=, n_rows=M)`, the call `pk.forward`
 makes), and the whole decode forward (`pk.forward(fold_cfg=)`), each timed as 100 back-to-back
 calls per sync (median of --samples), with their logp / lse (/ entropy) bytes against the
 first rows value's (rows differing printed; bit-neutral knobs must give 0). One JSON line each.
@@ -79,7 +79,6 @@ def main(argv):
                     ztT=launched.zt_t,
                     n_rows=launched.targets_p.shape[0],
                     cfg=cfg,
-                    scalar_rows=True,
                 )
 
             fwd = jax.jit(lambda h, w, t, it, cfg=cfg: pk.forward(h, w, None, t, it, fold_cfg=cfg, **kw))

@@ -51,8 +51,9 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_bool(
     "unpadded",
-    False,
-    "pallas_sm90: set tuning.UNPADDED_ROWS in this process (a decode call's rows passed without pads).",
+    None,
+    "pallas_sm90: set tuning.UNPADDED_ROWS to this in this process (a decode call's rows passed without "
+    "pads: --unpadded, with pads: --nounpadded); unset: the shipped default.",
 )
 
 
@@ -76,12 +77,12 @@ def main(argv):
         from pallas_kernels import tuning
 
         tuning.SINGLE_LAUNCH = True  # (this process only; read when the call is traced)
-    if FLAGS.unpadded:
+    if FLAGS.unpadded is not None:
         if FLAGS.backend != "pallas_sm90":
-            raise SystemExit(f"--unpadded is pallas_sm90's option, not {FLAGS.backend}'s")
+            raise SystemExit(f"--[no]unpadded is pallas_sm90's option, not {FLAGS.backend}'s")
         from pallas_kernels import tuning
 
-        tuning.UNPADDED_ROWS = True  # (this process only; read when the call is traced)
+        tuning.UNPADDED_ROWS = FLAGS.unpadded  # (this process only; read when the call is traced)
     fn = jax.jit(cases.build(spec))
     weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
