@@ -431,9 +431,10 @@ UNPADDED_ROWS = True
 # the contract's chain and its order are unchanged): H200, M=1 traced, the fold 3.66-3.70 us vs
 # 5.06 with 32 rows (16 rows: 4.01), logp / lse / entropy bytes equal to the 32-row fold at
 # M = 1, 8, 40 (benchmarks/results/h200_2026-12-03e/call5_fold_rows.log, call6_trace_m1_fold*.log).
-# Off until the golden replay and the fused-forward GPU test pass with it (twenty-first session:
-# no device time was left for them).
-DECODE_FOLD: "FoldConfig | None" = None
+# On since the twenty-second session: with it the golden replay 5/5 + 5/5 and the fused-forward
+# GPU test at M=1 (every bucket) passed, M=1 traced busy 280.5 us (kernel 276.7 + fold 3.78;
+# benchmarks/results/h200_2026-12-04/call1_*). None restores the 32-row fold. Read at trace time.
+DECODE_FOLD: "FoldConfig | None" = FoldConfig(rows=8)
 DZ = DzConfig()
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster="m")
 DW_GEMM = GradGemmConfig(cluster="m")

@@ -478,17 +478,17 @@ def test_single_launch_forward_equals_two_kernels(n, bucket, num_ctas):
 
 @pytest.mark.parametrize("n", [1, 13])
 def test_decode_fold_config_gives_the_same_bytes(n, monkeypatch):
-    """tuning.DECODE_FOLD (the fold pk.forward runs at N <= 64 rows when set; off by default):
-    FoldConfig(rows=8), 16 threads per row's splits, gives the bytes of the default 32-row fold:
+    """tuning.DECODE_FOLD (the fold pk.forward runs at N <= 64 rows; on since the twenty-second
+    session): FoldConfig(rows=8), 16 threads per row's splits, gives the bytes of the 32-row fold:
     logp, lse, entropy, with bias, per-row T and _problem's edge targets (interpret mode; the
     row inputs by scalar loads at 1 and 13 rows, 13 rows over two 8-row fold blocks)."""
     d, v, vl, vp = 128, 328, 384, 512
     h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=30 + n)
     tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
     kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2, return_entropy=True)
-    assert tuning.DECODE_FOLD is None
-    want = pk.forward(h, w, b, tj, ij, **kw)
-    monkeypatch.setattr(tuning, "DECODE_FOLD", tuning.FoldConfig(rows=8))
+    assert tuning.DECODE_FOLD == tuning.FoldConfig(rows=8)
+    assert tuning.FOLD.rows == 32
+    want = pk.forward(h, w, b, tj, ij, fold_cfg=tuning.FOLD, **kw)
     used, real = [], sm90_fold.fold_transposed
     monkeypatch.setattr(sm90_fold, "fold_transposed", lambda *a, **k: used.append(k["cfg"]) or real(*a, **k))
     got = pk.forward(h, w, b, tj, ij, **kw)
