@@ -14,9 +14,10 @@
 #             TRACE_ENTROPY=0 leaves that one out; TRACE_SINGLE=1 adds the decode single launch) and the
 #             GEMM alone, per-kernel device time
 #   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
-#   decodefold (not in the default set) the checks tuning.DECODE_FOLD needs before it is shipped, with it
-#             set in the process (tests/gpu/with_decode_fold.py): the golden replay, the fused-forward
-#             test at M=1 (every bucket), an M=1 trace
+#   decodefold (not in the default set) the golden replay, the fused-forward test at M=1 (every bucket)
+#             and an M=1 trace with tuning.DECODE_FOLD = FoldConfig(rows=$DECODE_FOLD_ROWS) set in the
+#             process (tests/gpu/with_decode_fold.py; default 8, the shipped value since the
+#             twenty-second session; 16 or 32, the fold before it, to check or time another count)
 #   unpadded  (not in the default set) tests/gpu/test_pallas_gpu.py -k unpadded_rows: pk.forward with N
 #             rows passed unpadded == the padded launch, M = 1, 3, 13, 40 (decode: scalar row loads, an
 #             N-row hidden box, the fold's scalar rows) and 300 (mid: TMA's zero fill); UNPADDED_LIMIT_S

@@ -4,10 +4,11 @@
     python3 tests/gpu/with_decode_fold.py -m pytest -q tests/gpu/test_pallas_gpu.py -k "fused_forward and M1"
     python3 tests/gpu/with_decode_fold.py -m benchmarks.experiments.trace_calls --m 1 --backend pallas_sm90
 
-For validating the decode fold before it is shipped (twenty-first session): in this process
-only, `tuning.DECODE_FOLD = tuning.FoldConfig(rows=DECODE_FOLD_ROWS)` (environment, default 8),
-read when `pallas_kernels.forward` is traced, so `linear_logp` at N <= 64 rows folds with it
-exactly as it will once the default is flipped. Nothing is written anywhere.
+For checking or timing the decode fold with a given row count: in this process only,
+`tuning.DECODE_FOLD = tuning.FoldConfig(rows=DECODE_FOLD_ROWS)` (environment, default 8: the
+shipped value since the twenty-second session, which validated it this way; 16 or 32, the fold
+before it, for a comparison), read when `pallas_kernels.forward` is traced, so `linear_logp` at
+N <= 64 rows folds with it. Nothing is written anywhere.
 """
 
 from __future__ import annotations
