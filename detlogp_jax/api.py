@@ -12,7 +12,6 @@ oracle's function of its logits, temperature and vocab geometry
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -21,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from detlogp_jax import backends, inputs, row_sharding, vma
+from detlogp_jax import backends, inputs, pipeline, row_sharding
 from detlogp_jax import contract as C
-from detlogp_jax import grad as grad_lib
 from detlogp_jax.inputs import last_provenance  # noqa: F401  (re-exported: api.last_provenance)
+from detlogp_jax.layout import as_layout
+from detlogp_jax.pipeline import OpConfig
 
 
 class LogpOutput(NamedTuple):
@@ -47,154 +47,87 @@ class LogpOutput(NamedTuple):
 jax.tree_util.register_static(C.Provenance)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    backend: str
-    vocab_size: int
-    padded_vocab_size: int
-    return_logits: bool
-    tuning: tuple = ()
+class Options(NamedTuple):
+    """The keywords of `linear_logp`, with their defaults (see its docstring): one
+    declaration that every entry point of the op (`linear_logp`, the tensor-parallel
+    `sharding.linear_logp_tp(..., **options)`) validates through `configure`."""
+
+    bias: object = None
+    temperature: object = 1.0
+    vocab_size: int | None = None
+    padded_vocab_size: int | None = None
+    return_logits: bool = False
+    backend: str = "auto"
+    checked: bool | None = None
+    tuning: dict | None = None
     weight_layout: str = "vd"
     return_entropy: bool = False
-    residuals: str = "recompute"  # "logits": the forward keeps its FP32 logits for the backward
-
-    def layout_kwargs(self) -> dict:
-        """The layout argument for a backend (omitted for the default layout)."""
-        return {} if self.weight_layout == "vd" else {"weight_layout": self.weight_layout}
-
-    def entropy_kwargs(self) -> dict:
-        """The entropy flag for a backend (omitted unless requested: older backends lack it)."""
-        return {"return_entropy": True} if self.return_entropy else {}
+    residuals: str = "recompute"
 
 
-def _serve(hidden, weight, bias, targets, inv_t, cfg: _Config, keep_logits: bool = False):
-    """(logp, lse, logits | None, entropy | None) of the backend named by `cfg`.
+def configure(hidden, weight, targets, options: Options, shards=None) -> tuple[OpConfig, C.Provenance]:
+    """Validates one call of the op at trace time and decides everything static about it.
 
-    keep_logits (contract backends; the residual mode's forward): the logits come back
-    even without `cfg.return_logits`, from the same forward launch (its logp/lse bytes
-    do not depend on return_logits), as [N, V_rows] (all the weight's rows: the backward
-    slices its chunks in place); with `cfg.return_logits` they are the returned
-    [N, vocab_size] array itself, never a second copy."""
-    be = backends.get(cfg.backend)
-    entropy = None
-    if be.contract_bearing:
-        # logits_cols: the backend writes the real vocabulary's columns only, so the
-        # serving entry never copies an [N, V_rows] array to drop the padding columns.
-        kw = dict(
-            vocab_size=cfg.vocab_size,
-            padded_vocab_size=cfg.padded_vocab_size,
-            return_logits=cfg.return_logits or keep_logits,
-            logits_cols=cfg.vocab_size if cfg.return_logits else None,
-            **cfg.layout_kwargs(),
-            **cfg.entropy_kwargs(),
-            **be.tuning_kwargs(cfg.tuning),
-        )
-        if be.fused_forward is not None:  # the bytes of the partials + fold below, in one call
-            return be.fused_forward(hidden, weight, bias, targets, inv_t, **kw)
-        parts = be.partials(hidden, weight, bias, targets, inv_t, **kw)
-        m, s, z_t, owned, logits = parts[:5]
-        if cfg.return_entropy:
-            logp, lse, entropy = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size, a=parts[5])
-        else:
-            logp, lse = be.fold(m, s, z_t, targets, inv_t, cfg.vocab_size)
-    else:
-        out = be.forward(
-            hidden,
-            weight,
-            bias,
-            targets,
-            inv_t,
-            vocab_size=cfg.vocab_size,
-            return_logits=cfg.return_logits,
-            **cfg.layout_kwargs(),
-            **cfg.entropy_kwargs(),
-        )
-        logp, lse, logits = out[:3]
-        entropy = out[3] if cfg.return_entropy else None
-        if logits is not None:
-            logits = logits[:, : cfg.vocab_size]
-    return logp, lse, logits, entropy
-
-
-def unwrap_primals(*primals):
-    """(values, perturbed flags) of a custom_vjp fwd's primals under symbolic zeros."""
-    is_p = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
-    values = jax.tree.map(lambda x: x.value if is_p(x) else x, primals, is_leaf=is_p)
-    flags = [any(getattr(x, "perturbed", False) for x in jax.tree.leaves(p, is_leaf=is_p)) for p in primals]
-    return values, flags
-
-
-def nonzero_cotangents(*cts):
-    """Cotangents with symbolic zeros as None."""
-    return tuple(None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c for c in cts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _core(hidden, weight, bias, targets, inv_t, cfg):
-    return _serve(hidden, weight, bias, targets, inv_t, cfg)
-
-
-def _core_fwd(hidden, weight, bias, targets, inv_t, cfg):
-    (hidden, weight, bias, targets, inv_t), perturbed = unwrap_primals(hidden, weight, bias, targets, inv_t)
-    keep = cfg.residuals == "logits"
-    out = _serve(hidden, weight, bias, targets, inv_t, cfg, keep_logits=keep)
-    logp, lse, logits, entropy = out
-    if keep and not cfg.return_logits:  # kept for the backward only
-        out = (logp, lse, None, entropy)
-    # The temperature gradient needs the forward's logp; its presence says it is wanted.
-    want_t = perturbed[4]
-    saved = logits if keep else None
-    return out, (hidden, weight, bias, targets, inv_t, lse, entropy, logp if want_t else None, saved)
-
-
-def _core_bwd(cfg, res, cts):
-    hidden, weight, bias, targets, inv_t, lse, entropy, logp, saved = res
-    g_logp, g_lse, g_logits, g_entropy = nonzero_cotangents(*cts)
-    want_t = logp is not None
-    out = grad_lib.backward(
+    Checks the operands and options (`inputs.validate`: shapes, dtypes, layouts, vocab
+    sizes, bias, temperature; bit-neutral tuning only; the residual mode), runs checked
+    mode's target check, picks the backend (`backends.resolve`; strict mode's rules,
+    `backends.guard_strict`) and records the call's provenance. `shards`: for a
+    vocab-parallel call, a function (vocab_size, padded_vocab_size) -> `VocabShards`
+    (it may refuse the geometry); such a call needs a contract-bearing backend.
+    Returns (the `OpConfig`, the provenance)."""
+    C.check_no_overrides(options.tuning)
+    inputs.check_residuals(options.residuals)
+    layout = as_layout(options.weight_layout)
+    vocab, padded = inputs.validate(
         hidden,
         weight,
-        bias,
         targets,
-        inv_t,
-        lse,
-        jnp.zeros_like(lse) if g_logp is None else g_logp,
-        jnp.zeros_like(lse) if g_lse is None else g_lse,
-        g_logits,
-        vocab_size=cfg.vocab_size,
-        dz=backends.get(cfg.backend).dz,
-        weight_layout=cfg.weight_layout,
-        entropy=entropy,
-        g_entropy=g_entropy,
-        row_sums=want_t,
-        logits=saved,
+        options.bias,
+        options.temperature,
+        options.vocab_size,
+        options.padded_vocab_size,
+        layout,
     )
-    dh, dw, db = out[:3]
-    g_inv_t = None
-    if want_t:
-        plp, var = out[3]
-        g_inv_t = grad_lib.inv_t_cotangent(
-            inv_t, lse, logp, targets, cfg.vocab_size, g_logp, g_lse, entropy, g_entropy, plp, var
-        )
-        g_inv_t = vma.match_cotangent(g_inv_t, inv_t)
-    # Under vma typing (inside shard_map) a replicated weight's gradient is the sum
-    # over the axes its rows' contributions vary over.
-    dh, dw, db = vma.match_cotangent(dh, hidden), vma.match_cotangent(dw, weight), vma.match_cotangent(db, bias)
-    return dh, dw, db, None, g_inv_t
+    vocab_shards = None if shards is None else shards(vocab, padded)
+    if inputs.checked_mode(options.checked):
+        inputs.check_targets(targets, vocab)
+    h_spec = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
+    return_entropy = bool(options.return_entropy)
+    be, fallback = backends.resolve(options.backend, h_spec, weight, layout, entropy=return_entropy)
+    if vocab_shards is not None and not be.contract_bearing:
+        raise ValueError(f"backend {be.name!r} is not contract-bearing; tensor parallelism needs its partials/fold")
+    backends.guard_strict(be, fallback)
+    prov = inputs.record_provenance(be, fallback, vocab, padded, options.backend, layout, return_entropy)
+    cfg = OpConfig(
+        backend=be.name,
+        vocab_size=vocab,
+        padded_vocab_size=padded,
+        return_logits=bool(options.return_logits),
+        layout=layout,
+        return_entropy=return_entropy,
+        residuals=options.residuals,
+        tuning=inputs.tuning_key(options.tuning),
+        shards=vocab_shards,
+    )
+    return cfg, prov
 
 
-_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+def empty_output(lead, cfg: OpConfig, prov, logits_cols: int) -> LogpOutput:
+    """The output of a call with no rows (leading shape `lead` of size 0)."""
+    empty = jnp.zeros(lead, jnp.float32)
+    logits = jnp.zeros(lead + (logits_cols,), jnp.float32) if cfg.return_logits else None
+    return LogpOutput(empty, empty, logits, prov, empty if cfg.return_entropy else None)
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
 def _impl(hidden, weight, bias, targets, inv_t, cfg):
-    return _core(hidden, weight, bias, targets, inv_t, cfg)
+    return pipeline.op(hidden, weight, bias, targets, inv_t, None, cfg)
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
 def _impl_autodiff(hidden, weight, bias, targets, inv_t, cfg):
     """Non-contract lanes (the XLA baseline) differentiate through plain autodiff."""
-    return _serve(hidden, weight, bias, targets, inv_t, cfg)
+    return pipeline.forward(hidden, weight, bias, targets, inv_t, None, cfg)
 
 
 def _row_bucket(n: int) -> int:
@@ -260,51 +193,34 @@ def linear_logp(
     bit, and agree within the documented gradient accuracy otherwise (`detlogp_jax.grad`).
     The xla lane differentiates through XLA's autodiff and ignores it.
     """
-    C.check_no_overrides(tuning)
-    inputs.check_residuals(residuals)
     # numpy inputs go straight to the jitted stages (a transfer, no eager op to compile)
     targets = np.asarray(targets) if isinstance(targets, (list, tuple)) else targets
-    vocab, padded = inputs.validate(
-        hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size, weight_layout
-    )
-    lead = hidden.shape[:-1]
-    n = math.prod(lead)
-    if inputs.checked_mode(checked):
-        inputs.check_targets(targets, vocab)
-
-    h_spec = jax.ShapeDtypeStruct((n, hidden.shape[-1]), hidden.dtype)
-    return_entropy = bool(return_entropy)
-    be, fallback = backends.resolve(backend, h_spec, weight, weight_layout, entropy=return_entropy)
-    backends.guard_strict(be, fallback)
-    prov = inputs.record_provenance(be, fallback, vocab, padded, backend, weight_layout, return_entropy)
-    cfg = _Config(
-        be.name,
-        vocab,
-        padded,
-        bool(return_logits),
-        inputs.tuning_key(tuning),
+    options = Options(
+        bias,
+        temperature,
+        vocab_size,
+        padded_vocab_size,
+        return_logits,
+        backend,
+        checked,
+        tuning,
         weight_layout,
         return_entropy,
         residuals,
     )
-    if n == 0:
-        empty = jnp.zeros(lead, jnp.float32)
-        return LogpOutput(
-            empty,
-            empty,
-            jnp.zeros(lead + (vocab,), jnp.float32) if return_logits else None,
-            prov,
-            empty if return_entropy else None,
-        )
+    cfg, prov = configure(hidden, weight, targets, options)
+    lead = hidden.shape[:-1]
+    if math.prod(lead) == 0:
+        return empty_output(lead, cfg, prov, cfg.vocab_size)
     if not hasattr(temperature, "shape"):
         temperature = jnp.asarray(temperature, jnp.float32)  # a runtime value: no retrace per T
     if isinstance(targets, np.ndarray):  # range-checked on the host, in its own width
-        targets = inputs.narrow_targets(targets, vocab)
+        targets = inputs.narrow_targets(targets, cfg.vocab_size)
     run = functools.partial(_run, cfg=cfg)
     rows = row_sharding.explicit_rows(hidden, weight, bias)
     if rows is not None:
         out = row_sharding.run_per_shard(
-            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits, entropy=return_entropy
+            run, *rows, hidden, weight, bias, targets, temperature, logits=cfg.return_logits, entropy=cfg.return_entropy
         )
     else:
         out = run(hidden, weight, bias, targets, temperature)
@@ -312,7 +228,7 @@ def linear_logp(
     return LogpOutput(logp, lse, logits, prov, entropy)
 
 
-def _run(hidden, weight, bias, targets, temperature, *, cfg: _Config):
+def _run(hidden, weight, bias, targets, temperature, *, cfg: OpConfig):
     """The op on one device's rows: flatten, fl(1/T), pad, compute, unflatten."""
     lead = hidden.shape[:-1]
     n = math.prod(lead)
@@ -359,6 +275,7 @@ def provenance(
 ) -> C.Provenance:
     """The provenance record a call with these arguments would get (no compute)."""
     h2 = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype)
-    be, fallback = backends.resolve(backend, h2, weight, weight_layout, entropy=bool(return_entropy))
-    vocab, padded = inputs.vocab_sizes(weight.shape[inputs.vocab_axis(weight_layout)], vocab_size, padded_vocab_size)
-    return inputs.make_provenance(be, fallback, vocab, padded, backend, weight_layout, bool(return_entropy))
+    layout = as_layout(weight_layout)
+    be, fallback = backends.resolve(backend, h2, weight, layout, entropy=bool(return_entropy))
+    vocab, padded = inputs.vocab_sizes(layout.vocab_rows(weight), vocab_size, padded_vocab_size)
+    return inputs.make_provenance(be, fallback, vocab, padded, backend, layout, bool(return_entropy))

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import jax
 
 from detlogp_jax import contract as C
+from detlogp_jax.layout import DV, VD, WeightLayout, as_layout
 
 
 class StrictModeError(RuntimeError):
@@ -59,17 +60,20 @@ class DzKernel:
     forms dz with XLA from the forward's saved logits, and this kernel, which recomputes
     z from hidden and w_c, has no logits input.
 
-    layouts: the weight layouts it reads. grad.backward passes the call's layout to
+    layouts: the weight layouts it reads. grad.backward passes the call's `WeightLayout` to
     supports(hidden, weight, chunk, weight_layout) and to fn(..., weight_layout=...); with
-    "dv" ([D, V] weight) w_c is a [D, chunk] slice of the kernel, with "vd" a [chunk, D] one.
+    DV ([D, V] weight) w_c is a [D, chunk] slice of the kernel, with VD a [chunk, D] one.
     """
 
     fn: Callable
     supports: Callable[[Any, Any, int], bool]
     row_multiple: int
-    layouts: frozenset = frozenset({"vd"})  # weight layouts of w_c it takes ("vd": [chunk, D], "dv": [D, chunk])
+    layouts: frozenset = frozenset({VD})  # the WeightLayouts of w_c it takes (VD: [chunk, D], DV: [D, chunk])
     entropy: bool = False  # takes the entropy term (c3, h); see above
     in_place: "InPlaceWalk | None" = None  # kernels that walk the chunks without copies; see InPlaceWalk
+
+    def __post_init__(self):
+        object.__setattr__(self, "layouts", _layouts(self.layouts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,18 +139,27 @@ class Backend:
     # Contract-bearing, optional: fold(partials(...)) of an unsharded head in one call (see the class doc).
     fused_forward: Callable | None = None
     dz: DzKernel | None = None
-    # Weight layouts it reads in place ("vd" [V, D], "dv" [D, V]). `supports(hidden, weight)`
-    # sees a [V, D] weight; for another declared layout it is called as
-    # `supports(hidden, weight, weight_layout=...)` with the weight in that layout.
-    layouts: frozenset = frozenset({"vd"})
+    # The WeightLayouts it reads in place (VD [V, D], DV [D, V]; a plugin may declare them by
+    # name). `supports(hidden, weight)` sees a [V, D] weight; for another declared layout it is
+    # called as `supports(hidden, weight, weight_layout=<WeightLayout>)` with the weight in that
+    # layout. Every backend call of a non-default layout gets `weight_layout=<WeightLayout>`.
+    layouts: frozenset = frozenset({VD})
     description: str = ""
     knobs: frozenset = frozenset()  # the bit-neutral tuning knobs it applies
     unavailable_reason: Callable[[], str] = lambda: "not available on this machine"
     entropy: bool = False  # produces the entropy statistic (return_entropy=True); see above
 
+    def __post_init__(self):
+        object.__setattr__(self, "layouts", _layouts(self.layouts))
+
     def tuning_kwargs(self, tuning) -> dict:
         """The subset of bit-neutral `tuning` items this backend applies."""
         return {k: v for k, v in dict(tuning or ()).items() if k in self.knobs}
+
+
+def _layouts(layouts) -> frozenset:
+    """A declared set of layouts (WeightLayouts or their names) as WeightLayouts."""
+    return frozenset(as_layout(x) for x in layouts)
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
@@ -238,7 +251,7 @@ def preferred() -> str:
 
 
 def resolve(
-    requested: str, hidden, weight, weight_layout: str = "vd", *, entropy: bool = False
+    requested: str, hidden, weight, weight_layout: WeightLayout | str = VD, *, entropy: bool = False
 ) -> tuple[Backend, bool]:
     """Picks the backend that serves a call. Returns (backend, fallback).
 
@@ -248,6 +261,7 @@ def resolve(
     DETLOGP_BACKEND), StrictModeError in strict mode, and otherwise (auto) falls back
     to the reference backend with a warning."""
     strict = is_strict()
+    weight_layout = as_layout(weight_layout)
     if requested == "auto":
         requested = os.environ.get("DETLOGP_BACKEND", "auto") or "auto"
     target = preferred() if requested == "auto" else requested
@@ -262,8 +276,8 @@ def resolve(
         reason = f"backend {target!r} is not available on this machine: {backend.unavailable_reason()}"
     else:
         if weight_layout not in backend.layouts:
-            ok, why = False, f"it does not read a weight_layout={weight_layout!r} weight in place"
-        elif weight_layout == "vd":
+            ok, why = False, f"it does not read a weight_layout={weight_layout.name!r} weight in place"
+        elif weight_layout is VD:
             ok, why = backend.supports(hidden, weight)
         else:  # a backend declaring another layout takes it as supports(..., weight_layout=)
             ok, why = backend.supports(hidden, weight, weight_layout=weight_layout)
@@ -291,10 +305,10 @@ def _reference() -> Backend:
         name="reference",
         contract_bearing=True,
         available=lambda: True,
-        supports=lambda h, w, weight_layout="vd": (True, ""),
+        supports=lambda h, w, weight_layout=VD: (True, ""),
         partials=reference.partials,
         fold=reference.fold,
-        layouts=frozenset({"vd", "dv"}),
+        layouts=frozenset({VD, DV}),
         description="plain JAX, any platform; sequential K walk; bit-exact vs the oracle on its logits",
         knobs=frozenset({"row_block"}),
         entropy=True,
@@ -308,9 +322,9 @@ def _xla() -> Backend:
         name="xla",
         contract_bearing=False,
         available=lambda: True,
-        supports=lambda h, w, weight_layout="vd": (True, ""),
+        supports=lambda h, w, weight_layout=VD: (True, ""),
         forward=xla_backend.forward,
-        layouts=frozenset({"vd", "dv"}),
+        layouts=frozenset({VD, DV}),
         description="materialized XLA logits + log_softmax: today's baseline, not batch-invariant",
         entropy=True,  # its own materialized entropy, not the contract's
     )

@@ -86,6 +86,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from detlogp_jax import vma
+from detlogp_jax.layout import VD, WeightLayout, as_layout
 
 # Bit-neutral for the forward; fixes the backward's sums. The chunk length, when the caller
 # gives none, is a function of the walk (so of the head's shape and the backend), never of the
@@ -110,25 +111,25 @@ def _chunking(v_rows: int, chunk: int) -> int:
     return min(chunk, v_rows)
 
 
-def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: str) -> bool:
+def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: WeightLayout) -> bool:
     """Whether the fused path would walk chunks of `chunk` (or the whole vocabulary) with the
     backend's in-place kernels (`backends.InPlaceWalk`): shapes only, rows padded as the fused
     path pads them (so the answer does not depend on the row count)."""
     walk = getattr(dz, "in_place", None)
-    v_rows = weight.shape[0 if weight_layout == "vd" else 1]
+    v_rows = weight_layout.vocab_rows(weight)
     chunk = _chunking(v_rows, chunk)
     if walk is None or not dz.supports(hidden, weight, chunk, weight_layout):
         return False
     return walk.supports(dz.row_multiple, hidden.shape[1], v_rows, chunk, weight_layout)
 
 
-def _in_place_chunk(dz, hidden, weight, weight_layout: str) -> int:
+def _in_place_chunk(dz, hidden, weight, weight_layout: WeightLayout) -> int:
     """The chunk of the in-place walk where the fused path can take it, else 0: `IN_PLACE_CHUNK`,
     or for a head shorter than that which the kernels do not take whole, its rows rounded down
     to the longest chunk they take (then one chunk and a last chunk of the rest: a TP=8 shard of
     the Llama-3 head padded to 128512, 16064 rows, walks 15872 + 192 (as 256) instead of XLA's
     GEMMs on slices). Shapes only."""
-    v_rows = weight.shape[0 if weight_layout == "vd" else 1]
+    v_rows = weight_layout.vocab_rows(weight)
     if _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout):
         return IN_PLACE_CHUNK
     if v_rows >= IN_PLACE_CHUNK:
@@ -154,7 +155,7 @@ def backward(
     vocab_size: int,
     chunk: int | None = None,
     dz=None,
-    weight_layout: str = "vd",
+    weight_layout: WeightLayout | str = VD,
     entropy=None,
     g_entropy=None,
     row_sums: bool = False,
@@ -169,8 +170,8 @@ def backward(
     dz: optional `backends.DzKernel`, the backend's fused recompute + dz kernel
     (used only without a logits cotangent, without `row_sums`, when it supports the
     operands and the chunk length, and, with an entropy cotangent, when it declares
-    the entropy term). weight_layout: "vd" ([V, D]) or "dv" ([D, V], read in place;
-    dW comes back in the same layout).
+    the entropy term). weight_layout: the weight's `WeightLayout` (`VD` [V, D] or `DV`
+    [D, V], read in place; dW comes back in the same layout; the names "vd" / "dv" also do).
     entropy: the forward's entropy [N] (needed with `g_entropy`); g_entropy: its
     cotangent [N], or None for none (then no entropy term is traced).
     row_sums: also return the per-row sums the temperature gradient needs, as a
@@ -187,8 +188,8 @@ def backward(
     walk instead (slower; the gradient bytes then equal the recompute mode's exactly
     when these logits equal the recomputed ones bit for bit, see the module docstring).
     """
-    v_axis = 0 if weight_layout == "vd" else 1
-    v_rows = weight.shape[v_axis]
+    weight_layout = as_layout(weight_layout)
+    v_rows = weight_layout.vocab_rows(weight)
     fusable = (
         dz is not None
         and logits is None
@@ -254,7 +255,7 @@ def backward(
         """The chunk's unscaled FP32 logits: recomputed, or read from the saved ones."""
         if logits is None:
             z = jnp.einsum(
-                "nd,vd->nv" if v_axis == 0 else "nd,dv->nv",
+                f"nd,{weight_layout.einsum}->nv",
                 hidden,
                 w_c,
                 preferred_element_type=jnp.float32,
@@ -301,12 +302,21 @@ def backward(
     n_sums = int(want_plp) + int(want_var)
     if logits is not None and not saved_logits_chunked:
         dh, dw, db, sums = _whole_from_logits(
-            dz_from, logits, g_full, hidden.astype(gemm_dtype), weight, bias, vocab_size, prec, v_axis, hidden.dtype
+            dz_from,
+            logits,
+            g_full,
+            hidden.astype(gemm_dtype),
+            weight,
+            bias,
+            vocab_size,
+            prec,
+            weight_layout,
+            hidden.dtype,
         )
         return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
     operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
     dh, dw, db, sums = _chunk_walk(
-        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, prec, operands, v_axis, n_sums
+        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, prec, operands, weight_layout, n_sums
     )
     return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
 
@@ -321,7 +331,7 @@ def _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var):
     return out + ((plp, var),)
 
 
-def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size, prec, v_axis, dh_dtype):
+def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size, prec, layout, dh_dtype):
     """The residual mode's backward in one pass: dz [rows, V_rows] from the saved logits
     (one elementwise pass; columns at or beyond vocab_size, and the weight's rows past
     the saved columns, get 0), then dh = dz @ W, dW = dz.T @ h and db = sum_rows dz as
@@ -329,22 +339,22 @@ def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size
     zero-filled dW). dh has nothing more to add, so its GEMM writes `dh_dtype` (the
     caller's hidden dtype: the FP32 accumulator rounded once, in the GEMM's epilogue).
     Returns (dh, dW in the weight dtype, db or None, row sums)."""
-    v_rows = weight.shape[v_axis]
+    v_rows = layout.vocab_rows(weight)
     vs = logits.shape[1]
     cols = jnp.arange(vs)
     g_extra = None if g_full is None else g_full[:, :vs]  # the logits cotangent on the saved columns
     dz, sums = dz_from(logits, cols, cols < vocab_size, g_extra)
     if vs < v_rows:  # weight rows past the saved columns are padding: dz = 0 there
         dz = jnp.pad(dz, ((0, 0), (0, v_rows - vs)))
-    dh, dw, db = _gradient_gemms(dz, weight, hidden, bias, prec, v_axis, dh_dtype=dh_dtype)
+    dh, dw, db = _gradient_gemms(dz, weight, hidden, bias, prec, layout, dh_dtype=dh_dtype)
     return dh, dw, None if db is None else db.astype(bias.dtype), sums
 
 
-def _gradient_gemms(dz, w, hidden, bias, prec, v_axis, dh_dtype=jnp.float32):
+def _gradient_gemms(dz, w, hidden, bias, prec, layout, dh_dtype=jnp.float32):
     """dz @ w (dh in dh_dtype, f32 accumulation; the chunk walk adds f32 chunks), dz.T @ h
     (dW in w's layout and dtype; bf16 out, f32 accumulation) and sum_rows dz (db, f32; None
     without a bias) for dz [rows, cols] and w of those cols."""
-    wd = "vd" if v_axis == 0 else "dv"
+    wd = layout.einsum
     out_dtype = jnp.float32 if w.dtype == jnp.float32 else w.dtype
     dh = jnp.einsum(f"nv,{wd}->nd", dz, w.astype(dz.dtype), preferred_element_type=dh_dtype, precision=prec)
     dw = jnp.einsum(f"nv,nd->{wd}", dz, hidden, preferred_element_type=out_dtype, precision=prec)
@@ -368,7 +378,7 @@ def inv_t_cotangent(inv_t, lse, logp, targets, vocab_size, g_logp, g_lse, entrop
     return acc / inv_t.astype(jnp.float32)
 
 
-def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, v_axis=0, n_sums=0):
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, layout=VD, n_sums=0):
     """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
     two runs give identical bytes). With v_rows = q * chunk + r: chunks i < q start at
     i * chunk (a scan, no clamping); when r > 0 one last chunk, outside the scan, starts
@@ -382,7 +392,8 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, v_axis=0, n_
     Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None,
     the tuple of row sums).
     `operands`: every array dz depends on (the carries take their mesh axes under vma typing).
-    `v_axis`: the weight's vocabulary axis (0: [V, D], 1: [D, V]; chunks are read in place)."""
+    `layout`: the weight's `WeightLayout` (chunks are read in place)."""
+    v_axis = layout.vocab_axis
     v_rows = weight.shape[v_axis]
     n_full, tail = divmod(v_rows, chunk)
 
@@ -391,7 +402,7 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, v_axis=0, n_
         cols = start + jnp.arange(chunk)
         dz, sums = dz_of(fresh_from, start, w_c, cols)
         acc = tuple(a + s for a, s in zip(acc, sums))
-        dh_c, dw_c, db_c = _gradient_gemms(dz, w_c, hidden, bias, prec, v_axis)
+        dh_c, dw_c, db_c = _gradient_gemms(dz, w_c, hidden, bias, prec, layout)
         return dh + dh_c, acc, dw_c, db_c
 
     def body(carry, i):
@@ -439,7 +450,7 @@ def _backward_fused_dz(
     dz,
     entropy=None,
     g_entropy=None,
-    weight_layout="vd",
+    weight_layout=VD,
     in_place=False,
 ):
     """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
@@ -483,7 +494,6 @@ def _backward_fused_dz(
         return out, ()
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
-    v_axis = 0 if weight_layout == "vd" else 1
     if in_place:
         last_len = _last_chunk_len(dz, hidden, weight, chunk, weight_layout)
         dh, dw, db = _in_place_walk(
@@ -501,7 +511,7 @@ def _backward_fused_dz(
             last_len=last_len,
         )
     else:
-        dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, v_axis)
+        dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, weight_layout)
     return dh[:n].astype(hidden.dtype), dw, db
 
 
@@ -514,7 +524,7 @@ def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: str) -> int:
     products to dh; dW rows written for them are overwritten by the last full chunk). At the
     Qwen3-8B head r = 4608 is taken as it is; a tensor-parallel shard of 38016 rows (TP=4)
     walks 2 x 16384 and 5376 (128 columns recomputed) instead of a clamped 16384 (11136)."""
-    v_rows = weight.shape[0 if weight_layout == "vd" else 1]
+    v_rows = weight_layout.vocab_rows(weight)
     tail = v_rows % chunk
     if not tail:
         return 0
@@ -547,7 +557,7 @@ def _in_place_walk(
     call's output: "DUS target must be a fusion parameter", H200, a TP=8 shard's 19008 rows).
     db (with a bias) is the chunk's column sum of dz written at the offset. Returns (dh [n_pad,
     D] f32, dW in the weight's layout and dtype, db or None)."""
-    v_axis = 0 if weight_layout == "vd" else 1
+    v_axis = weight_layout.vocab_axis
     v_rows = weight.shape[v_axis]
     n_full, tail = divmod(v_rows, chunk)
     bias32 = None if bias is None else bias.astype(jnp.float32)

@@ -29,22 +29,9 @@ import numpy as np
 
 from detlogp_jax import backends, numerics
 from detlogp_jax import contract as C
+from detlogp_jax.layout import VD, WeightLayout, as_layout
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-# "vd": the lm_head layout [V, D] (PyTorch, HF checkpoints, a tied embedding table);
-# "dv": a Flax/Tunix kernel [D, V] (`nnx.Linear(D, V).kernel`). Never guessed from shapes.
-WEIGHT_LAYOUTS = ("vd", "dv")
-
-
-def check_layout(weight_layout) -> str:
-    """The layout name, or a ValueError for anything else."""
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(
-            f"weight_layout must be 'vd' ([V, D], lm_head) or 'dv' ([D, V], a Flax kernel), got {weight_layout!r}"
-        )
-    return weight_layout
-
 
 # What the forward keeps for the backward (`detlogp_jax.grad`): "recompute" keeps hidden,
 # the weight and per-row vectors (O(N*D + V*D)) and the backward recomputes the logits
@@ -63,36 +50,31 @@ def check_residuals(residuals) -> str:
     return residuals
 
 
-def vocab_axis(weight_layout: str) -> int:
-    """The weight axis that indexes the vocabulary."""
-    return 0 if check_layout(weight_layout) == "vd" else 1
-
-
 def is_concrete(x) -> bool:
     """True for a value known at trace time (not a tracer)."""
     return not isinstance(x, jax.core.Tracer)
 
 
 def validate(
-    hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size, weight_layout: str = "vd"
+    hidden, weight, targets, bias, temperature, vocab_size, padded_vocab_size, weight_layout: WeightLayout = VD
 ) -> tuple[int, int]:
     """Checks a call's operands (trace time); returns (vocab_size, padded_vocab_size).
-    `weight_layout` says which axis of the weight is the vocabulary ("vd": [V, D],
-    "dv": [D, V]); a weight whose D axis does not match hidden's is refused."""
-    check_layout(weight_layout)
+    `weight_layout` (a `WeightLayout` or its name) says which axis of the weight is the
+    vocabulary; a weight whose D axis does not match hidden's is refused."""
+    layout = as_layout(weight_layout)
     if not hasattr(hidden, "shape") or not hasattr(weight, "shape") or not hasattr(targets, "shape"):
         raise TypeError("hidden, weight and targets must be arrays")
     if hidden.ndim < 1:
         raise ValueError(f"hidden must have shape [..., D], got {hidden.shape}")
-    shape_name = "[V, D] (weight_layout='vd')" if weight_layout == "vd" else "[D, V] (weight_layout='dv')"
+    shape_name = layout.shape_name
     if weight.ndim != 2:
         raise ValueError(f"weight must have shape {shape_name}, got {weight.shape}")
     d = hidden.shape[-1]
     if d < 1:
         raise ValueError("hidden size D must be >= 1")
-    v_axis = vocab_axis(weight_layout)
+    v_axis = layout.vocab_axis
     if weight.shape[1 - v_axis] != d:
-        other = "'dv' for a [D, V] kernel" if weight_layout == "vd" else "'vd' for a [V, D] lm_head"
+        other = "'dv' for a [D, V] kernel" if layout is VD else "'vd' for a [V, D] lm_head"
         raise ValueError(
             f"D mismatch: hidden [..., {d}] vs weight {tuple(weight.shape)} as {shape_name}; pass weight_layout={other}"
         )
@@ -244,7 +226,7 @@ def make_provenance(
     vocab: int,
     padded: int,
     requested: str,
-    weight_layout: str = "vd",
+    weight_layout: WeightLayout = VD,
     entropy: bool = False,
 ) -> C.Provenance:
     """The provenance record of a call served by `be` (requested as `requested`);
@@ -267,7 +249,7 @@ def make_provenance(
         n_split=C.n_split(padded),
         requested_backend=requested,
         fallback=fallback,
-        weight_layout=weight_layout,
+        weight_layout=as_layout(weight_layout).name,
         entropy_id=entropy_id,
     )
 
@@ -278,7 +260,7 @@ def record_provenance(
     vocab: int,
     padded: int,
     requested: str,
-    weight_layout: str = "vd",
+    weight_layout: WeightLayout = VD,
     entropy: bool = False,
 ) -> C.Provenance:
     """Builds the call's provenance and makes it the one `last_provenance()` reports."""

@@ -25,6 +25,7 @@ from jax import lax
 
 from detlogp_jax import contract as C
 from detlogp_jax import numerics, vma
+from detlogp_jax.layout import VD, as_layout
 
 BACKEND_NAME = "reference"
 ROW_BLOCK = 128  # bit-neutral: rows are independent
@@ -109,12 +110,12 @@ def partials(
     return_logits: bool = False,
     logits_cols: int | None = None,
     row_block: int | None = None,
-    weight_layout: str = "vd",
+    weight_layout=VD,
     return_entropy: bool = False,
 ):
     """Split partials of the contract for rows of `hidden` against `weight`.
 
-    weight [Vl, D] (or [D, Vl] with weight_layout="dv", read in place: the K walk
+    weight [Vl, D] (or [D, Vl] with weight_layout=DV, read in place: the K walk
     and every sum are the same, so are the bytes) holds the rows of global
     columns [col_offset, col_offset+Vl);
     columns of the shard beyond Vl (an unpadded weight) and columns >= vocab_size
@@ -128,7 +129,7 @@ def partials(
     starts, ends = _local_plan(padded_vocab_size, col_offset, shard_cols)
     n_loc, steps = len(starts), int((ends - starts).max())
     n_rows, d = hidden.shape
-    d_axis = 1 if weight_layout == "vd" else 0
+    d_axis = as_layout(weight_layout).d_axis
     v_local = weight.shape[1 - d_axis]
 
     # Static column map: step i of split j reads tile starts[j] + i (or nothing).

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from detlogp_jax import contract as C
+from detlogp_jax.layout import VD, as_layout
 
 
-def logits(hidden, weight, bias=None, weight_layout: str = "vd"):
+def logits(hidden, weight, bias=None, weight_layout=VD):
     """FP32 logits [N, V] = hidden @ W.T (+ bias) through one XLA dot (weight [V, D],
-    or [D, V] with weight_layout="dv", read in place)."""
+    or [D, V] with weight_layout=DV, read in place)."""
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
-    spec = "nd,vd->nv" if weight_layout == "vd" else "nd,dv->nv"
+    spec = f"nd,{as_layout(weight_layout).einsum}->nv"
     z = jnp.einsum(spec, hidden, weight, preferred_element_type=jnp.float32, precision=prec)
     if bias is not None:
         z = z + bias.astype(jnp.float32)[None, : z.shape[1]]
@@ -35,7 +36,7 @@ def forward(
     *,
     vocab_size: int,
     return_logits: bool = False,
-    weight_layout: str = "vd",
+    weight_layout=VD,
     return_entropy: bool = False,
 ):
     """(logp, lse, logits|None) with XLA's own logsumexp; same semantics for

@@ -2,24 +2,21 @@
 
 See `docs/TENSOR_PARALLEL.md`. Entry points:
 
-* `linear_logp_tp(hidden, weight, targets, *, mesh, tp_axis="tp", row_axes=(), ...)`
-  - global arrays in, global arrays out (runs its own `jax.shard_map`);
+* `linear_logp_tp(hidden, weight, targets, *, mesh, tp_axis="tp", row_axes=(), **options)`
+  - global arrays in, global arrays out (runs its own `jax.shard_map`); `options` are
+  `linear_logp`'s keywords;
 * `linear_logp_local(...)` - differentiable, inside the caller's shard_map;
 * `tp_partials_and_fold(...)` - the non-differentiable forward, inside shard_map;
-* `check_tp_geometry(V_pad, tp, vocab_size)` and `assemble_shards(...)`.
+* `check_tp_geometry(V_pad, tp, vocab_size)` and `assemble_shards(...)` (`sharding.geometry`);
+* `TPShards`: a rank's vocabulary shard and the rank-ordered merge (`sharding.merge`).
 """
 
-from sharding.tp import (
-    TPConfig,
-    assemble_shards,
-    check_tp_geometry,
-    linear_logp_local,
-    linear_logp_tp,
-    tp_partials_and_fold,
-)
+from sharding.geometry import assemble_shards, check_tp_geometry
+from sharding.merge import TPShards
+from sharding.tp import linear_logp_local, linear_logp_tp, tp_partials_and_fold
 
 __all__ = [
-    "TPConfig",
+    "TPShards",
     "assemble_shards",
     "check_tp_geometry",
     "linear_logp_local",

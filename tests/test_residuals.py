@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import detlogp_jax as dl
-from detlogp_jax import api, backends, grad, inputs
+from detlogp_jax import backends, grad, inputs, pipeline
 from tests.helpers import ROOT, assert_bitwise_equal, rel_err
 
 D, V_ROWS, VOCAB = 16, 200, 190  # padding rows in the weight
@@ -303,11 +303,11 @@ def test_the_residual_is_the_returned_logits_array_not_a_copy():
     n = h.shape[0]
     inv_t = inputs.inv_temperature(temp, n)
     for return_logits, cols in ((True, VOCAB), (False, V_ROWS)):
-        cfg = api._Config("reference", VOCAB, V_ROWS, return_logits, residuals="logits")
+        cfg = pipeline.OpConfig("reference", VOCAB, V_ROWS, return_logits, residuals="logits")
         seen = {}
 
         def fwd(h, w, b, inv_t, cfg=cfg, seen=seen):
-            out, res = api._core_fwd(h, w, b, jnp.asarray(t), inv_t, cfg)
+            out, res = pipeline._op_fwd(h, w, b, jnp.asarray(t), inv_t, None, cfg)
             seen["same"] = res[-1] is out[2]
             seen["out_logits"] = out[2] is not None
             return out, res
