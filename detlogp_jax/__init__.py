@@ -32,10 +32,14 @@ _LAZY_SUBMODULES = frozenset(
         "integrations",
         "numerics",
         "oracle",
+        "pipeline",
+        "plugins",
         "reference",
         "sampling",
     }
 )
+# Reachable as `detlogp_jax.linear_logp_tp` etc. without importing `sharding` here.
+_TP_ENTRY_POINTS = frozenset({"linear_logp_tp", "linear_logp_local", "tp_partials_and_fold"})
 
 
 def __getattr__(name):
@@ -43,6 +47,10 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"detlogp_jax.{name}")
+    if name in _TP_ENTRY_POINTS:  # the tensor-parallel package's entry points (`detlogp_jax.plugins`)
+        from detlogp_jax import plugins
+
+        return getattr(plugins.tensor_parallel(), name)
     raise AttributeError(f"module 'detlogp_jax' has no attribute {name!r}")
 
 
@@ -58,6 +66,8 @@ __all__ = [
     "canonical_padded_vocab",
     "last_provenance",
     "linear_logp",
+    "linear_logp_local",
+    "linear_logp_tp",
     "provenance",
     "split_bounds",
     "strict_mode",

@@ -15,7 +15,12 @@ from sharding.geometry import assemble_shards, check_tp_geometry
 from sharding.merge import TPShards
 from sharding.tp import linear_logp_local, linear_logp_tp, tp_partials_and_fold
 
+# This package's mark: `detlogp_jax.plugins.tensor_parallel()` checks it, so that another
+# module named `sharding` earlier on sys.path is refused instead of used.
+DISTRIBUTION = "detlogp-jax"
+
 __all__ = [
+    "DISTRIBUTION",
     "TPShards",
     "assemble_shards",
     "check_tp_geometry",

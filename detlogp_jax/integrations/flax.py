@@ -12,7 +12,8 @@ With `mesh=` and `tp_axis=` the weight rows are sharded over the mesh axis
 (vocab-parallel) and calls go to the tensor-parallel entry
 `sharding.linear_logp_tp`.
 
-An integration: it stands above the op core and `sharding`. `detlogp_jax.flax`
+An integration: it stands above the op core and reaches `sharding` by name
+(`detlogp_jax.plugins.tensor_parallel`). `detlogp_jax.flax`
 is its short name. This file is named ``flax.py``: it imports the real Flax
 with absolute imports (``from flax import nnx``), which resolve to the
 top-level package because Python 3 imports are absolute.
@@ -26,10 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from detlogp_jax import api, inputs
+from detlogp_jax import api, inputs, plugins
 from detlogp_jax import contract as C
 from detlogp_jax.api import LogpOutput
-from sharding import linear_logp_tp
 
 __all__ = ["LogpHead", "LogpOutput", "masked_mean_nll"]
 
@@ -243,7 +243,10 @@ class LogpHead(nnx.Module):
             residuals=self.residuals if residuals is None else residuals,
         )
         if self.mesh is not None and kw["backend"] != "xla":  # the XLA lane has no TP form: it runs unsharded
-            out = linear_logp_tp(hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw)
+            tp = plugins.tensor_parallel()
+            out = tp.linear_logp_tp(
+                hidden, w, targets, mesh=self.mesh, tp_axis=self.tp_axis, checked=self.checked, **kw
+            )
             if out.logits is not None and out.logits.shape[-1] != self.vocab_size:
                 out = out._replace(logits=out.logits[..., : self.vocab_size])  # same layout as linear_logp
             return out

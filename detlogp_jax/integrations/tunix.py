@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from detlogp_jax import api, inputs
+from detlogp_jax import api, inputs, plugins
 from detlogp_jax import contract as C
 from detlogp_jax import fingerprint as fp_lib
 
@@ -374,9 +374,7 @@ def _op(head: _Head, hidden, targets, opts: OpOptions, *, temperature, return_lo
     )
     plan = _tp_plan(head, opts)
     if plan is not None:
-        from sharding import linear_logp_tp
-
-        fn = linear_logp_tp
+        fn = plugins.tensor_parallel().linear_logp_tp
         kw.update(mesh=plan[0], tp_axis=plan[1], row_axes=opts.row_axes)
     else:
         fn = api.linear_logp
