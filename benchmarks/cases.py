@@ -113,7 +113,7 @@ def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd", 
     if backend not in LIBRARY_BACKENDS:
         return None if weight_layout == "vd" else f"{backend} takes a [V, D] weight only (weight_layout='vd')"
     be = detlogp_backends.get(backend)
-    if weight_layout not in be.layouts:
+    if not be.reads(weight_layout):
         return f"{backend} does not read a weight_layout={weight_layout!r} weight in place"
     if entropy and not be.entropy:
         return (

@@ -152,6 +152,10 @@ class Backend:
     def __post_init__(self):
         object.__setattr__(self, "layouts", _layouts(self.layouts))
 
+    def reads(self, layout) -> bool:
+        """Whether it reads a weight of this layout (a `WeightLayout` or its name) in place."""
+        return as_layout(layout) in self.layouts
+
     def tuning_kwargs(self, tuning) -> dict:
         """The subset of bit-neutral `tuning` items this backend applies."""
         return {k: v for k, v in dict(tuning or ()).items() if k in self.knobs}

@@ -946,12 +946,12 @@ class Suite:
             f"modes {sorted(a.modes)}; meshes {[c.label for c in self.cfgs]}; shapes {a.shapes}; layouts {a.layouts}; "
             f"M {a.ms}; grad M {a.grad_ms}; budget {a.budget_s:.0f}s"
         )
-        if "dv" in a.layouts and "dv" not in backends.get(a.backend).layouts:
+        if "dv" in a.layouts and not backends.get(a.backend).reads("dv"):
             a.layouts = [x for x in a.layouts if x != "dv"]
             self.run.doc["layouts"] = a.layouts
             self.run.note(
                 f"backend {a.backend} does not read the [D, V] layout here (layouts "
-                f"{sorted(backends.get(a.backend).layouts)}): dv skipped"
+                f"{sorted(x.name for x in backends.get(a.backend).layouts)}): dv skipped"
             )
         if not a.layouts:
             self.run.note("no layout left to run")

@@ -142,8 +142,8 @@ def _timed(fn, iters, warmup, calls):
 def _layouts(a):
     from detlogp_jax import backends
 
-    have = backends.get(a.backend).layouts
-    return [x for x in a.layout_list if x in have], [x for x in a.layout_list if x not in have]
+    be = backends.get(a.backend)
+    return [x for x in a.layout_list if be.reads(x)], [x for x in a.layout_list if not be.reads(x)]
 
 
 # --- role: reference (one process, one device) ------------------------------------------------------
