@@ -273,3 +273,125 @@ def test_einsum_bad_specs(spec, xs, ws, words):
     with pytest.raises(ValueError) as info:
         body.einsum(spec, x, w)
     assert words in str(info.value), str(info.value)
+
+
+# --- the Hopper kernel on CPU: interpret mode and lowering for CUDA -----------------------------
+# Interpret mode models wgmma as acc + matmul(a, b); `interpret_utils.row_invariant_wgmma` makes
+# that matmul's value per element depend on the element's operands only, so these tests check the
+# kernel's indexing, padding and tile walk (which rows and K slices reach an accumulator), not the
+# GPU's bits (tests/gpu/test_body_gpu.py).
+
+pm = pytest.importorskip("pallas_kernels.body.matmul")
+from pallas_kernels import interpret_utils  # noqa: E402
+from pallas_kernels.body import matmul_config as mc  # noqa: E402
+
+KI, NI = 128, 128  # interpret-mode K and N: two pipeline steps, one or two column tiles
+
+
+def _kernel(x, w, layout, bucket, out_dtype=jnp.float32, **kw):
+    with interpret_utils.row_invariant_wgmma():
+        y = pm.matmul(x, w, w_layout=layout, out_dtype=out_dtype, interpret=True, bucket=bucket, **kw)
+    return np.asarray(y, np.float32)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("bucket,m", [("decode", 5), ("mid", 130), ("prefill", 260)])
+def test_interpret_kernel_matches_float64(layout, bucket, m):
+    """Every bucket (decode: 1 warpgroup of 64 rows; mid: 2 x 64; prefill: 2 x 128 with two
+    accumulators per warpgroup) in both layouts, rows not a multiple of the tile."""
+    x, w = _operands(m, k=KI, n=NI, layout=layout, seed=8)
+    want = np.asarray(x, np.float64) @ _w_kn(w, layout)
+    got = _kernel(x, w, layout, bucket)
+    assert got.shape == (m, NI)
+    assert rel_err(got, want) < 1e-6
+    got16 = _kernel(x, w, layout, bucket, out_dtype=jnp.bfloat16)
+    assert row_mismatches(got16, np.asarray(jnp.asarray(got).astype(jnp.bfloat16), np.float32))[0] == 0
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_interpret_rows_do_not_depend_on_bucket_m_position_or_padding(layout):
+    """In the interpreter: rows of M = 1, 3 (decode) equal the same rows of M = 70 (decode,
+    two row tiles) and of M = 70 forced to the mid / prefill buckets; a row's bytes at
+    positions 0 / 69 among NaN rows equal its bytes alone."""
+    x, w = _operands(70, k=KI, n=NI, layout=layout, seed=9)
+    base = _kernel(x, w, layout, None)
+    for bucket in ("mid", "prefill"):
+        rows, mad = row_mismatches(_kernel(x, w, layout, bucket), base)
+        assert rows == 0, f"{bucket}: {rows} rows differ (max_abs_diff={mad})"
+    for m in (1, 3):
+        assert row_mismatches(_kernel(x[:m], w, layout, None), base[:m])[0] == 0
+    junk = jnp.full((70, KI), jnp.nan, jnp.bfloat16)
+    for pos in (0, 69):
+        y = _kernel(junk.at[pos].set(x[4]), w, layout, None)
+        assert row_mismatches(y[pos : pos + 1], base[4:5])[0] == 0, pos
+
+
+def test_interpret_more_column_tiles_than_ctas():
+    """N = 256 in 64-column tiles walked by 2 persistent CTAs (4 tiles each), K = 192."""
+    x, w = _operands(9, k=192, n=256, seed=10)
+    got = _kernel(x, w, "kn", "decode", num_ctas=2)
+    assert rel_err(got, np.asarray(x, np.float64) @ _w_kn(w, "kn")) < 1e-6
+
+
+def test_pallas_supports_refuses_with_reasons():
+    x, w = _operands(4, k=128, n=128)
+    assert pm.supports(x, w, "kn") == (True, "")
+    ok, why = pm.supports(x.astype(jnp.float32), w.astype(jnp.float32), "kn")
+    assert not ok and "bfloat16" in why
+    ok, why = pm.supports(x[:, :100], w[:100], "kn")
+    assert not ok and "multiples of 64" in why
+
+
+QWEN3_8B = {"q": (4096, 4096), "kv": (4096, 1024), "gate_up": (4096, 12288), "down": (12288, 4096)}
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("proj", sorted(QWEN3_8B))
+def test_kernel_lowers_for_cuda_in_every_bucket(layout, proj):
+    """Each bucket's kernel at the Qwen3-8B projection shapes lowers for the GPU (Mosaic's layout
+    checks run here), with a bf16 and an f32 output, M unpadded (1, 8) and padded to 8 (65)."""
+    k, n = QWEN3_8B[proj]
+    w = jax.ShapeDtypeStruct((k, n) if layout == "kn" else (n, k), jnp.bfloat16)
+    for m, bucket, out_dtype in [
+        (1, "decode", jnp.bfloat16),
+        (8, "decode", jnp.float32),
+        (65, "mid", jnp.bfloat16),
+        (512, "prefill", jnp.bfloat16),
+        (4096, None, jnp.float32),
+    ]:
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        f = lambda x, w: pm.matmul(x, w, w_layout=layout, out_dtype=out_dtype, bucket=bucket, num_ctas=132)
+        jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",))
+
+
+def _wgmma_accumulators(jaxpr, found):
+    """Accumulator shapes of every wgmma in a jaxpr and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "wgmma_ref":
+            found.append(tuple(eqn.invars[0].aval.shape))
+        for p in eqn.params.values():
+            for q in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(q, jax.extend.core.ClosedJaxpr):
+                    _wgmma_accumulators(q.jaxpr, found)
+                elif isinstance(q, jax.extend.core.Jaxpr):
+                    _wgmma_accumulators(q, found)
+    return found
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_instruction_n_depends_on_the_weight_only(layout):
+    """Every wgmma of the traced kernel accumulates [64 or 128, N_instr] with N_instr =
+    instruction_n(N) whatever bucket M selects (the bit-relevant instruction N never follows M),
+    and one wgmma per accumulator per step (no partial sums)."""
+    for (k, n), want in (((4096, 4096), 64), ((4096, 1024), 64), ((4096, 12288), 128)):
+        w = jax.ShapeDtypeStruct((k, n) if layout == "kn" else (n, k), jnp.bfloat16)
+        buckets = set()
+        for m in (1, 8, 65, 512, 4096, 8192):
+            buckets.add(mc.select(m, n, 132).name)
+            x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+            f = lambda x, w: pm.matmul(x, w, w_layout=layout, out_dtype=jnp.bfloat16, num_ctas=132)
+            accs = _wgmma_accumulators(jax.make_jaxpr(f)(x, w).jaxpr, [])
+            cfg = mc.select(m, n, 132)
+            assert len(accs) == mc.accs_for(cfg, n, want), (m, accs)
+            assert all(a == (cfg.wg_rows, want) for a in accs), (m, n, accs)
+        assert len(buckets) >= 2, buckets  # the check spans buckets
