@@ -395,3 +395,26 @@ def test_instruction_n_depends_on_the_weight_only(layout):
             assert len(accs) == mc.accs_for(cfg, n, want), (m, accs)
             assert all(a == (cfg.wg_rows, want) for a in accs), (m, n, accs)
         assert len(buckets) >= 2, buckets  # the check spans buckets
+
+
+def test_body_benchmark_runs_on_cpu(tmp_path):
+    """`python -m benchmarks.body` at the tiny shapes: every lane row and ratio row is in the JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "body.json"
+    cmd = [sys.executable, "-m", "benchmarks.body", "--shape=tiny", "--m=1,8", "--gemm_proj=q,down"]
+    cmd += ["--lanes=ours,xla,cublas", "--iters=2", "--warmup=1", "--calls_per_sample=1", f"--out={out}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert {(r["proj"], r["m"], r["lane"]) for r in report["lanes"]} == {
+        (p, m, lane) for p in ("q", "down") for m in (1, 8) for lane in ("ours", "xla", "cublas")
+    }
+    assert [(r["proj"], r["m"]) for r in report["ratios"]] == [("q", 1), ("q", 8), ("down", 1), ("down", 8)]
+    assert all(r["max_abs_diff_vs_xla"] < 0.1 and r["ours_over_xla"] > 0 for r in report["ratios"])
+    assert "ours/xla" in proc.stdout
