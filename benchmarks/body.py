@@ -203,9 +203,12 @@ def run_gemm() -> tuple[list[LaneResult], list[dict]]:
                         (ours, [(x, wo) for x, _, wo in xs]) if lane == "ours" else (xla, [(x, w) for x, w, _ in xs])
                     )
                     res.served_by = served if lane == "ours" else "jnp.dot"
-                    compiled[lane], res.compile_s, res.samples_ms, firsts[lane] = _time_jax(
-                        fn, args, FLAGS.calls_per_sample
-                    )
+                    try:
+                        compiled[lane], res.compile_s, res.samples_ms, firsts[lane] = _time_jax(
+                            fn, args, FLAGS.calls_per_sample
+                        )
+                    except Exception as e:  # a lane that fails to build or run is reported; the rest go on
+                        res.note = f"failed: {type(e).__name__}: {str(e)[:300]}"
                 res.median_ms, res.min_ms, res.max_ms = _stats(res.samples_ms)
                 results.append(res)
                 print(_lane_line(res), flush=True)
