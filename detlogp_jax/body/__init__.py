@@ -1,0 +1,22 @@
+"""The batch-invariant transformer body: ops whose row bytes never depend on the batch.
+
+`matmul(x, w)` / `einsum(spec, x, w)`: the projections (q/k/v/o, gate/up/down) with one f32
+accumulator per element and one fixed ascending K order (`detlogp_jax.body.matmul`).
+Backends are chosen by name through `detlogp_jax.body.backends` ("auto", "reference",
+"pallas_sm90", "xla"), under the operator's strict mode (`detlogp_jax.strict_mode()`).
+"""
+
+from detlogp_jax.backends import BackendUnavailableError, StrictModeError, strict_mode
+from detlogp_jax.body import backends
+from detlogp_jax.body.backends import BodyBackend
+from detlogp_jax.body.matmul import einsum, matmul
+
+__all__ = [
+    "BackendUnavailableError",
+    "BodyBackend",
+    "StrictModeError",
+    "backends",
+    "einsum",
+    "matmul",
+    "strict_mode",
+]
