@@ -6,7 +6,8 @@ leading dims are sharded over Explicit axes the op runs inside its own
 `shard_map` (check_vma=True) with the weight and bias replicated: each device
 scores its own rows with the same per-row program, so the bytes equal the
 unsharded call's, and the weight/bias gradients come back summed over the row
-axes. A weight or bias sharded over an Explicit axis, or a hidden sharded on
+axes. Replicated operands under a mesh with Explicit axes (`jax.set_mesh`) take the same
+path with no row axis (every device computes every row). A weight or bias sharded over an Explicit axis, or a hidden sharded on
 its D axis, is refused with an error that points to `sharding.linear_logp_tp`
 (vocab-parallel weights) or asks for a replicated D. Auto-axis meshes and
 unsharded inputs take the plain path (XLA's partitioner sees ordinary ops).
@@ -50,9 +51,15 @@ def explicit_rows(hidden, weight, bias):
                 f"tp_axis=...); a D-sharded one must be replicated first (jax.reshard(w, P()))"
             )
     mesh, dims = _explicit_axes_in(hidden)
-    if not dims:
-        return None
     n_lead = hidden.ndim - 1
+    if not dims:
+        # Replicated operands under a mesh with Explicit axes (`jax.set_mesh`): the op's
+        # internal arrays would be typed against that mesh (its backward's chunk walk mixes
+        # them), so it runs in its own shard_map there too, each device on all the rows.
+        ambient = jax.sharding.get_abstract_mesh()
+        if AxisType.Explicit in tuple(getattr(ambient, "axis_types", ()) or ()):
+            return ambient, (None,) * n_lead
+        return None
     if any(d == n_lead for d, _ in dims):
         raise ValueError(
             "linear_logp got hidden sharded on its D axis over Explicit mesh axes; shard rows only "

@@ -202,6 +202,18 @@ def test_sharded_rows_give_single_device_bytes_and_gradients(mesh_results, case)
     assert r["grad_max_abs_diff"] <= 1e-5 * max(1.0, mesh_results["scale"]), r
 
 
+@pytest.mark.parametrize("residuals", ["recompute", "logits"])
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_gradient_of_replicated_inputs_under_set_mesh_of_explicit_axes(mesh_results, residuals, layout, how):
+    """jax.grad under `jax.set_mesh` of an Explicit-axis mesh with plain replicated inputs (the
+    entropy in the loss, a per-row temperature): the no-mesh gradient, the single-device bytes."""
+    r = mesh_results[f"replicated_set_mesh_{residuals}_{layout}_{how}"]
+    assert "error" not in r, r.get("error")
+    assert r["logp_rows_differ"] == 0 and r["lse_rows_differ"] == 0, r
+    assert r["grad_max_abs_diff"] <= 1e-5 * max(1.0, mesh_results["entropy_scale"]), r
+
+
 @pytest.mark.parametrize("case", [f"tp{tp}_dv_{w}" for tp in (2, 4, 8) for w in ("global", "shards")])
 def test_tp_with_a_dv_kernel_gives_single_device_bytes(mesh_results, case):
     r = mesh_results[case]
