@@ -476,7 +476,7 @@ def test_default_output_is_a_new_untracked_folder(tmp_path, monkeypatch):
 
 
 def test_lowering_checks_say_what_the_kernel_plans_rely_on():
-    """benchmarks.experiments.lowering_checks (cited by docs/PERF_NOTES.md): global semaphores, a
+    """benchmarks.experiments.lowering_checks (Mosaic GPU facts docs/KERNEL_DESIGN.md relies on): global semaphores, a
     TMA box past a [1, D] array and whole swizzled halves lower; a column slice of a swizzled ref
     does not (why the swizzled hand-off slices halves in registers)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -489,7 +489,7 @@ def test_lowering_checks_say_what_the_kernel_plans_rely_on():
 
 def test_handoff_check_runs_and_agrees_in_interpret_mode(capsys):
     """benchmarks.experiments.handoff_check (the H200 check that found the swizzled hand-off's
-    missing barriers, docs/PERF_NOTES.md): on the CPU its first case with the shipped swizzled
+    missing barriers, docs/KERNEL_DESIGN.md "The bias"): on the CPU its first case with the shipped swizzled
     hand-off agrees with the chain-in-wgmma kernel in both entries (interpret mode cannot show
     the race; this keeps the script working for the GPU)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
