@@ -6,8 +6,10 @@ TFLOP/s, compile time and the determinism status. The per-sample times,
 memory statistics and ratios are not in the log and stay empty; the document
 says it was rebuilt.
 
-  python -m benchmarks.from_log --log results/x/bench_fwd.log --shape qwen3_8b --entry trainer --mode fwd \
-      --out results/x/qwen3_8b_trainer_fwd_h200.json
+  python -m benchmarks.from_log --log DIR/bench_fwd.log --shape qwen3_8b --entry trainer --mode fwd \
+      --out DIR/qwen3_8b_trainer_fwd_h200.json
+
+--log and --out are required: the command writes only where it is told.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def parse(text: str) -> list[report.CaseResult]:
 
 def main(argv):
     del argv
+    if not FLAGS.log or not FLAGS.out:
+        raise app.UsageError("--log and --out are required (the JSON goes to --out, the plot next to it)")
     text = open(FLAGS.log).read()
     cases = parse(text)
     # The runner's floor models (benchmarks.cases), for bf16 operands.

@@ -1,8 +1,8 @@
 """Draw the plot of a `benchmarks.run` JSON document after the fact (e.g. a run made with
 `--plot none` on the device): the same figure `benchmarks.run` draws, from the document alone.
 
-  python -m benchmarks.replot --json benchmarks/results/h200_2026-12-01d/call4_fwd.json
-  (writes call4_fwd.png next to it; --png to put it elsewhere)
+  python -m benchmarks.replot --json benchmarks/results/h200/forward/fwd.json
+  (writes fwd.png into a new ./detlogp-results/<UTC stamp>/, untracked; --png FILE to choose)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from benchmarks import report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json", None, "A benchmarks.run JSON document.")
-flags.DEFINE_string("png", None, "Output PNG (default: the JSON path with .png).")
+flags.DEFINE_string("png", None, "Output PNG (default: <json name>.png in a new ./detlogp-results/<UTC stamp>/).")
 
 
 def replot(json_path: str, png_path: str | None = None) -> str:
@@ -33,7 +33,7 @@ def replot(json_path: str, png_path: str | None = None) -> str:
         + (f" weight_layout={cfg['weight_layout']}" if cfg.get("weight_layout", "vd") != "vd" else "")
         + f" on {env.get('device_kind', '?')}"
     )
-    out = png_path or os.path.splitext(json_path)[0] + ".png"
+    out = png_path or os.path.join(report.default_out_dir(), os.path.splitext(os.path.basename(json_path))[0] + ".png")
     report.plot(cases, doc.get("floors", []), out, title, cfg.get("hbm_tbps", 4.0), cfg.get("peak_tflops", 790.0))
     return out
 

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 from typing import Any, Sequence
 
 SCHEMA = "detlogp-bench/1"
+# Where the benchmark commands write when no path is given: a new folder under this one, relative to
+# the working directory. It is in .gitignore, so no default run writes over a tracked file.
+DEFAULT_RESULTS_DIR = "detlogp-results"
+
+
+def default_out_dir(root: str = DEFAULT_RESULTS_DIR) -> str:
+    """A new folder name `<root>/<UTC stamp>` (suffixed -2, -3, ... if taken); not created here."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path, n = os.path.join(root, stamp), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{stamp}-{n}")
+    return path
 
 
 @dataclasses.dataclass

@@ -7,7 +7,9 @@
     # a pallas_sm90 whose pallas_kernels.backend.ENTROPY_VALIDATED is False (it refuses the entropy then):
     python3 tests/gpu/with_entropy.py -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --entropy
 
-See benchmarks/README.md for the columns and the recommended H200 commands.
+Writes the JSON and the PNG into a new ./detlogp-results/<UTC stamp>/ (untracked) unless
+--out_dir or --out says where. See benchmarks/README.md for the columns and the recommended
+H200 commands.
 """
 
 from __future__ import annotations
@@ -71,7 +73,13 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_enum("dtype", "bf16", list(DTYPES), "hidden/weight dtype.")
 flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
-flags.DEFINE_string("out", None, "JSON path (default benchmarks/results/<shape>_<entry>_<mode>_<device>.json).")
+flags.DEFINE_string(
+    "out_dir",
+    None,
+    "Folder for the JSON and the plot, named <shape>_<entry>_<mode>[_dv][_res-logits]_<device>.json / .png "
+    "(default: a new ./detlogp-results/<UTC stamp>/, untracked).",
+)
+flags.DEFINE_string("out", None, "JSON path (overrides --out_dir for the JSON; the plot goes next to it).")
 flags.DEFINE_string("plot", None, "PNG path (default: --out with .png; 'none' to skip).")
 flags.DEFINE_float(
     "max_seconds_per_case",
@@ -133,7 +141,8 @@ class RunConfig:
     weight_layout: str = "vd"  # "dv": the weight is the [D, V_rows] kernel (cases.make_weight)
     residuals: str = "recompute"  # "logits": linear_logp(residuals="logits") (mode fwd_bwd)
     entropy: bool = False  # also time each library backend with return_entropy=True ("<backend>+entropy")
-    out: str | None = None  # None: default path
+    out: str | None = None  # the JSON path; None: the default name in out_dir
+    out_dir: str | None = None  # None (and no out): a new ./detlogp-results/<UTC stamp>/, chosen once here
     plot: str | None = None  # None: next to out; "none": no plot
     command_line: str = ""
 
@@ -151,6 +160,8 @@ class RunConfig:
             raise ValueError(f"residuals must be in {cases.RESIDUALS}, got {self.residuals!r}")
         if self.residuals != "recompute" and self.mode != "fwd_bwd":
             raise ValueError(f"--residuals={self.residuals} changes only the backward: use it with --mode fwd_bwd")
+        if not self.out and not self.out_dir:
+            self.out_dir = report.default_out_dir()  # chosen once, so the JSON and the plot share it
 
     def spec(self, backend: str, entropy: bool = False) -> cases.CaseSpec:
         return cases.CaseSpec(
@@ -172,7 +183,7 @@ class RunConfig:
         layout = "" if self.weight_layout == "vd" else f"_{self.weight_layout}"
         res = "" if self.residuals == "recompute" else f"_res-{self.residuals}"
         name = f"{self.shape.name}_{self.entry}_{self.mode}{layout}{res}_{device_tag()}.json"
-        return os.path.join(REPO_ROOT, "benchmarks", "results", name)
+        return os.path.join(self.out_dir, name)
 
     def plot_path(self) -> str | None:
         if self.plot and self.plot.lower() == "none":
@@ -203,6 +214,7 @@ def config_from_flags() -> RunConfig:
         residuals=FLAGS.residuals,
         entropy=FLAGS.entropy,
         out=FLAGS.out,
+        out_dir=FLAGS.out_dir,
         plot=FLAGS.plot,
         command_line=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
     )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import baselines, cases, run, shapes
+from benchmarks import baselines, cases, report, run, shapes
 from detlogp_jax import xla_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -435,18 +435,48 @@ def test_entropy_cases_in_the_same_run(monkeypatch):
         cases.CaseSpec("gemm", shapes.get("tiny"), entropy=True)
 
 
-def test_replot_draws_a_recorded_document(tmp_path):
-    """benchmarks.replot redraws a recorded runner document (one made with --plot none) as a PNG."""
+def test_replot_draws_a_recorded_document(tmp_path, monkeypatch):
+    """benchmarks.replot redraws a recorded runner document (one made with --plot none) as a PNG,
+    by default into a new untracked ./detlogp-results/<stamp>/, never next to the recorded JSON."""
     from benchmarks import replot
 
-    src = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200_2026-12-01d", "call4_fwd.json")
+    src = os.path.join(ROOT, "benchmarks", "results", "h200", "forward", "fwd.json")
     out = replot.replot(src, str(tmp_path / "fwd.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.chdir(tmp_path)
+    out = replot.replot(src)
+    parts = os.path.relpath(out, tmp_path).split(os.sep)
+    assert parts[0] == report.DEFAULT_RESULTS_DIR and parts[2] == "fwd.png" and len(parts) == 3, out
+    assert os.path.getsize(out) > 1000 and os.path.dirname(os.path.abspath(out)) != os.path.dirname(src)
+
+
+def test_default_output_is_a_new_untracked_folder(tmp_path, monkeypatch):
+    """Without --out / --out_dir the runner writes into a new ./detlogp-results/<UTC stamp>/ (in
+    .gitignore), chosen once per run, so the JSON and the plot land together; a second folder of the
+    same second gets a suffix. --out_dir and --out say where instead."""
+    monkeypatch.chdir(tmp_path)
+    cfg = run.RunConfig(shape=shapes.get("tiny"))
+    parts = cfg.out_path().split(os.sep)
+    assert parts[0] == report.DEFAULT_RESULTS_DIR and len(parts) == 3 and parts[2] == "tiny_trainer_fwd_cpu.json"
+    assert cfg.out_path() == cfg.out_path() and cfg.plot_path() == cfg.out_path()[: -len(".json")] + ".png"
+    os.makedirs(cfg.out_dir)
+    assert run.RunConfig(shape=shapes.get("tiny")).out_dir == cfg.out_dir + "-2"
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/" + report.DEFAULT_RESULTS_DIR + "/" in f.read().split()
+    assert run.RunConfig(shape=shapes.get("tiny"), out_dir="mine").out_path() == os.path.join(
+        "mine", "tiny_trainer_fwd_cpu.json"
+    )
+    assert run.RunConfig(shape=shapes.get("tiny"), out="x/y.json").plot_path() == "x/y.png"
+    try:
+        run.FLAGS(["run", "--shape=tiny", "--out_dir=there"])
+        assert run.config_from_flags().out_path() == os.path.join("there", "tiny_trainer_fwd_cpu.json")
+    finally:
+        run.FLAGS.unparse_flags()
 
 
 def test_lowering_checks_say_what_the_kernel_plans_rely_on():
-    """benchmarks.experiments.lowering_checks (cited by docs/PERF_NOTES.md): global semaphores, a
+    """benchmarks.experiments.lowering_checks (Mosaic GPU facts docs/KERNEL_DESIGN.md relies on): global semaphores, a
     TMA box past a [1, D] array and whole swizzled halves lower; a column slice of a swizzled ref
     does not (why the swizzled hand-off slices halves in registers)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -459,7 +489,7 @@ def test_lowering_checks_say_what_the_kernel_plans_rely_on():
 
 def test_handoff_check_runs_and_agrees_in_interpret_mode(capsys):
     """benchmarks.experiments.handoff_check (the H200 check that found the swizzled hand-off's
-    missing barriers, docs/PERF_NOTES.md): on the CPU its first case with the shipped swizzled
+    missing barriers, docs/KERNEL_DESIGN.md "The bias"): on the CPU its first case with the shipped swizzled
     hand-off agrees with the chain-in-wgmma kernel in both entries (interpret mode cannot show
     the race; this keeps the script working for the GPU)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")

@@ -1,11 +1,13 @@
-"""Every result file, GPU script and benchmarks module that the docs cite exists.
+"""Every result file, GPU script and benchmarks module that the docs cite exists, and the docs
+speak of the project only.
 
-Scanned: README.md, docs/*.md, benchmarks/README.md, benchmarks/results/README.md. Cited are
-repository paths under `benchmarks/` and `tests/gpu/`, result paths relative to
-`benchmarks/results/` (`h200_2026-11-30d/x.json`), bare result names (`x.jsonl`), which belong
-to the results folder that the nearest heading above them names (anywhere in
-`benchmarks/results/` under a heading that names none), and modules run as
-`python -m benchmarks.x`. `{a,b}` and `*` expand as in the shell; each expansion must match.
+Scanned: README.md, docs/*.md, benchmarks/README.md, benchmarks/experiments/README.md,
+benchmarks/results/README.md. Cited are repository paths under `benchmarks/` and `tests/gpu/`,
+result paths relative to `benchmarks/results/` (`h200/forward/fwd.json`, `cpu/...`,
+`h200x2/...`), bare result names (`x.jsonl`), which belong to the results folder that the
+nearest heading above them names (anywhere in `benchmarks/results/` under a heading that names
+none), and modules run as `python -m benchmarks.x`. `{a,b}` and `*` expand as in the shell; each
+expansion must match.
 
 A file that left the tree is cited at a commit, `git show <sha>:<path>`: that path must exist
 at that commit, and a bare mention of the same path (or a folder above it) on the same line is
@@ -25,7 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results"
-DOCS = ["README.md", "benchmarks/README.md", "benchmarks/results/README.md"] + sorted(
+RESULTS_INDEX = "benchmarks/results/README.md"
+DOCS = ["README.md", "benchmarks/README.md", "benchmarks/experiments/README.md", RESULTS_INDEX] + sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
 )
 
@@ -33,7 +36,8 @@ _SEG = r"(?:[\w.*-]|\{[\w.,*-]*\})+"  # one path component, with {a,b} and * pat
 _PATH = rf"{_SEG}(?:/{_SEG})*/?"
 SHA_REF = re.compile(rf"\b([0-9a-f]{{7,40}}):((?:benchmarks|tests)/{_PATH})")
 REPO_PATH = re.compile(rf"(?<![\w./:-])((?:benchmarks|tests/gpu)/(?:{_PATH})?)")
-RESULT_REL = re.compile(rf"(?<![\w./:-])((?:h200|runner_validation)_[\w-]+/(?:{_PATH})?)")
+RESULT_FOLDER = r"(?:h200x\d+|h200|cpu)/"  # a machine kind's folder under benchmarks/results/
+RESULT_REL = re.compile(rf"(?<![\w./:-])({RESULT_FOLDER}(?:{_PATH})?)")
 BARE = re.compile(
     r"(?<![\w./:{,*-])([\w*-]+(?:\.[\w*-]+)*\.(?:jsonl|json|log|png|txt|sass\.gz|\*|\{[\w.,]+\})"
     r"|validate_[\w*-]+\.(?:md|\{[\w.,]+\}))(?![\w/*-])"
@@ -79,6 +83,11 @@ def _at_commit(files, path):
     return any(fnmatch.fnmatchcase(f, path) or f.startswith(path + "/") for f in files)
 
 
+def _folder_of(path):
+    """The results folder a heading names: the path itself if it ends in "/", else its folder."""
+    return path.rstrip("/") if path.endswith("/") else path.rsplit("/", 1)[0]
+
+
 def _contexts(lines):
     """Per line: (results folder, commit) from the nearest heading above that names a folder."""
     stack, out = [], []
@@ -87,9 +96,9 @@ def _contexts(lines):
         if m:
             level = len(m.group(1))
             stack = [h for h in stack if h[0] < level]
-            folder = RESULT_REL.search(line) or re.search(rf"{RESULTS}/((?:h200|runner_validation)_[\w-]+/)", line)
+            folder = RESULT_REL.search(line) or re.search(rf"{RESULTS}/({RESULT_FOLDER}(?:{_PATH})?)", line)
             commit = HEAD_COMMIT.search(line)
-            stack.append((level, folder and folder.group(1).split("/")[0], commit and commit.group(1)))
+            stack.append((level, folder and _folder_of(folder.group(1)), commit and commit.group(1)))
         ctx = next(((f, c) for _, f, c in reversed(stack) if f), (None, None))
         out.append(ctx)
     return out
@@ -190,6 +199,21 @@ def test_cited_commits_hold_the_files():
         pytest.skip(f"commits not in this clone (shallow?): {sorted(unavailable)}")
 
 
+def test_every_kept_result_is_indexed():
+    """Each file under benchmarks/results/ is named in its README's index (with its command)."""
+    named = {
+        q for doc, _, kind, path, _, _ in _citations() if doc == RESULTS_INDEX and kind == "repo" for q in _expand(path)
+    }
+    files = sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).rglob("*") if p.is_file() and p.name != "README.md"
+    )
+    assert len(files) > 20
+    unnamed = [
+        f for f in files if not any(fnmatch.fnmatchcase(f, q) or f.startswith(q.rstrip("/") + "/") for q in named)
+    ]
+    assert not unnamed, f"not in {RESULTS_INDEX}: {unnamed}"
+
+
 def test_benchmarks_readme_files_table():
     """The first column of benchmarks/README.md's "Files" table names files under benchmarks/."""
     text = (ROOT / "benchmarks/README.md").read_text()
@@ -208,13 +232,42 @@ def test_benchmarks_readme_files_table():
 def test_patterns():
     assert _expand("a.{json,png}") == ["a.json", "a.png"]
     assert _expand("h{b,c}/p*.{x,y}") == ["hb/p*.x", "hb/p*.y", "hc/p*.x", "hc/p*.y"]
-    line = "see `git show abc1234:tests/gpu/old.sh` and `tests/gpu/old.sh`, `h200_x/a.log`, `b.jsonl`."
+    line = "see `git show abc1234:tests/gpu/old.sh` and `tests/gpu/old.sh`, `h200/x/a.log`, `b.jsonl`."
     assert SHA_REF.findall(line) == [("abc1234", "tests/gpu/old.sh")]
     rest = SHA_REF.sub(" ", line)
     assert REPO_PATH.findall(rest) == ["tests/gpu/old.sh"]
-    assert RESULT_REL.findall(rest) == ["h200_x/a.log"]
+    assert RESULT_REL.findall(rest) == ["h200/x/a.log"]
     assert BARE.findall(RESULT_REL.sub(" ", REPO_PATH.sub(" ", rest))) == ["b.jsonl"]
+    assert RESULT_REL.findall("`cpu/tp/x.json`, `h200x2/tp/`, benchmarks/results/h200/y.log") == [
+        "cpu/tp/x.json",
+        "h200x2/tp/",
+    ]
     assert (
-        _contexts(["## S (`h200_x/`, files at commit abc1234)", "x", "### T", "y", "## U", "z"])
-        == [("h200_x", "abc1234")] * 4 + [(None, None)] * 2
+        _contexts(["## S (`h200/x/`, files at commit abc1234)", "x", "### T", "y", "## U", "z"])
+        == [("h200/x", "abc1234")] * 4 + [(None, None)] * 2
     )
+    assert _contexts(["# A `benchmarks/results/cpu/main_job/r.md`"]) == [("cpu/main_job", None)]
+
+
+# What the docs must not say: the project's history is in git, not in its prose.
+DIARY = [
+    (re.compile(r"\bsessions?\b", re.I), "a word of sessions"),
+    (re.compile(r"(?<![-\w])calls? \d"), "a device call by number"),
+    (re.compile(r"(?<![\w.])(?:/tmp/|/work/|\.\./)"), "a path outside the repository"),
+]
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def test_docs_speak_of_the_project_only():
+    """No diary in the docs: no sessions, numbered device calls or paths outside the repository;
+    dates only in the results index, as the dates of the kept reference runs."""
+    found = []
+    for doc in DOCS:
+        for n, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
+            found += [f"{doc}:{n}: {why}: {line.strip()[:100]}" for rx, why in DIARY if rx.search(line)]
+            if doc != RESULTS_INDEX and DATE.search(line):
+                found.append(f"{doc}:{n}: a date outside the results index: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
+    assert DIARY[0][0].search("the twenty-second session") and DIARY[1][0].search("in call 3")
+    assert not DIARY[1][0].search("100 calls per sync") and not DIARY[1][0].search("trace_calls --calls 20")
+    assert DIARY[2][0].search("see /tmp/x.log") and not DIARY[2][0].search("benchmarks/results/a.log")
