@@ -111,32 +111,31 @@ def _chunking(v_rows: int, chunk: int) -> int:
     return min(chunk, v_rows)
 
 
-def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: WeightLayout) -> bool:
-    """Whether the fused path would walk chunks of `chunk` (or the whole vocabulary) with the
-    backend's in-place kernels (`backends.InPlaceWalk`): shapes only, rows padded as the fused
-    path pads them (so the answer does not depend on the row count)."""
+def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: WeightLayout, v_rows: int) -> bool:
+    """Whether the fused path would walk chunks of `chunk` (or the whole walk) over the weight's
+    first `v_rows` vocabulary rows with the backend's in-place kernels (`backends.InPlaceWalk`):
+    shapes only, rows padded as the fused path pads them (so the answer does not depend on the
+    row count)."""
     walk = getattr(dz, "in_place", None)
-    v_rows = weight_layout.vocab_rows(weight)
     chunk = _chunking(v_rows, chunk)
     if walk is None or not dz.supports(hidden, weight, chunk, weight_layout):
         return False
     return walk.supports(dz.row_multiple, hidden.shape[1], v_rows, chunk, weight_layout)
 
 
-def _in_place_chunk(dz, hidden, weight, weight_layout: WeightLayout) -> int:
+def _in_place_chunk(dz, hidden, weight, weight_layout: WeightLayout, v_rows: int) -> int:
     """The chunk of the in-place walk where the fused path can take it, else 0: `IN_PLACE_CHUNK`,
     or for a head shorter than that which the kernels do not take whole, its rows rounded down
     to the longest chunk they take (then one chunk and a last chunk of the rest: a TP=8 shard of
     the Llama-3 head padded to 128512, 16064 rows, walks 15872 + 192 (as 256) instead of XLA's
     GEMMs on slices). Shapes only."""
-    v_rows = weight_layout.vocab_rows(weight)
-    if _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout):
+    if _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout, v_rows):
         return IN_PLACE_CHUNK
     if v_rows >= IN_PLACE_CHUNK:
         return 0
     for k in range(6, v_rows.bit_length()):  # rounded down to 64, 128, ...: the longest first
         c = (v_rows >> k) << k
-        if c and c < v_rows and _in_place_ok(dz, hidden, weight, c, weight_layout):
+        if c and c < v_rows and _in_place_ok(dz, hidden, weight, c, weight_layout, v_rows):
             return c
     return 0
 
@@ -190,6 +189,10 @@ def backward(
     """
     weight_layout = as_layout(weight_layout)
     v_rows = weight_layout.vocab_rows(weight)
+    # Padding rows (at or beyond vocab_size) never reach a gradient: the in-place walk covers
+    # the real rows only, the XLA walks mask them (`_padding_mask`), and dW's padding rows are
+    # exact zeros, whatever values (NaN, inf) the weight holds there.
+    real_rows = vocab_size if isinstance(vocab_size, int) and vocab_size < v_rows else v_rows
     fusable = (
         dz is not None
         and logits is None
@@ -199,11 +202,11 @@ def backward(
         and weight_layout in dz.layouts
     )
     if chunk is None:  # the walk picks the chunk (checked once: in_place below says the same)
-        walk_chunk = _in_place_chunk(dz, hidden, weight, weight_layout) if fusable else 0
+        walk_chunk = _in_place_chunk(dz, hidden, weight, weight_layout, real_rows) if fusable else 0
         in_place = walk_chunk > 0
         chunk = walk_chunk if in_place else DEFAULT_CHUNK
     else:
-        in_place = fusable and _in_place_ok(dz, hidden, weight, chunk, weight_layout)
+        in_place = fusable and _in_place_ok(dz, hidden, weight, chunk, weight_layout, real_rows)
     chunk = _chunking(v_rows, chunk)
     if logits is not None:
         if logits.ndim != 2 or logits.shape[0] != hidden.shape[0] or not 1 <= logits.shape[1] <= v_rows:
@@ -238,6 +241,7 @@ def backward(
             g_entropy=g_entropy,
             weight_layout=weight_layout,
             in_place=in_place,
+            real_rows=real_rows,
         )
         return out
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
@@ -316,7 +320,7 @@ def backward(
         return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
     operands = (hidden, weight, bias, targets, inv_t, lse, g_logp, g_lse, g_logits, entropy, g_entropy, logits)
     dh, dw, db, sums = _chunk_walk(
-        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, prec, operands, weight_layout, n_sums
+        dz_of, hidden.astype(gemm_dtype), weight, bias, chunk, prec, operands, weight_layout, n_sums, vocab_size
     )
     return _finish(hidden, dh, dw, db, sums, row_sums, want_plp, want_var)
 
@@ -346,8 +350,20 @@ def _whole_from_logits(dz_from, logits, g_full, hidden, weight, bias, vocab_size
     dz, sums = dz_from(logits, cols, cols < vocab_size, g_extra)
     if vs < v_rows:  # weight rows past the saved columns are padding: dz = 0 there
         dz = jnp.pad(dz, ((0, 0), (0, v_rows - vs)))
-    dh, dw, db = _gradient_gemms(dz, weight, hidden, bias, prec, layout, dh_dtype=dh_dtype)
+    real = _padding_mask(layout, jnp.arange(v_rows), vocab_size, v_rows)
+    w_real = weight if real is None else jnp.where(real, weight, 0)
+    dh, dw, db = _gradient_gemms(dz, w_real, hidden, bias, prec, layout, dh_dtype=dh_dtype)
+    dw = dw if real is None else jnp.where(real, dw, 0)
     return dh, dw, None if db is None else db.astype(bias.dtype), sums
+
+
+def _padding_mask(layout: WeightLayout, cols, vocab_size, v_rows: int):
+    """A mask (broadcasting over the weight's D axis) of the real vocabulary rows among `cols`,
+    or None when the weight has no padding rows (a static vocab_size equal to its rows)."""
+    if isinstance(vocab_size, int) and vocab_size >= v_rows:
+        return None
+    real = cols < vocab_size
+    return real[:, None] if layout.vocab_axis == 0 else real[None, :]
 
 
 def _gradient_gemms(dz, w, hidden, bias, prec, layout, dh_dtype=jnp.float32):
@@ -378,7 +394,7 @@ def inv_t_cotangent(inv_t, lse, logp, targets, vocab_size, g_logp, g_lse, entrop
     return acc / inv_t.astype(jnp.float32)
 
 
-def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, layout=VD, n_sums=0):
+def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, layout=VD, n_sums=0, vocab_size=None):
     """The gradient GEMMs over the vocab chunks in ascending order (a fixed shape, so
     two runs give identical bytes). With v_rows = q * chunk + r: chunks i < q start at
     i * chunk (a scan, no clamping); when r > 0 one last chunk, outside the scan, starts
@@ -392,7 +408,9 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, layout=VD, n
     Returns (dh [rows, D] f32, dW in the weight dtype, db in the bias dtype or None,
     the tuple of row sums).
     `operands`: every array dz depends on (the carries take their mesh axes under vma typing).
-    `layout`: the weight's `WeightLayout` (chunks are read in place)."""
+    `layout`: the weight's `WeightLayout` (chunks are read in place). `vocab_size` (static or
+    traced; None: no padding rows): weight rows at or beyond it are read as zeros and their dW
+    rows are zeros, so no value held there reaches dh or dW."""
     v_axis = layout.vocab_axis
     v_rows = weight.shape[v_axis]
     n_full, tail = divmod(v_rows, chunk)
@@ -400,9 +418,14 @@ def _chunk_walk(dz_of, hidden, weight, bias, chunk, prec, operands, layout=VD, n
     def step(fresh_from, start, dh, acc):
         w_c = lax.dynamic_slice_in_dim(weight, start, chunk, axis=v_axis)
         cols = start + jnp.arange(chunk)
+        real = None if vocab_size is None else _padding_mask(layout, cols, vocab_size, v_rows)
+        if real is not None:
+            w_c = jnp.where(real, w_c, 0)
         dz, sums = dz_of(fresh_from, start, w_c, cols)
         acc = tuple(a + s for a, s in zip(acc, sums))
         dh_c, dw_c, db_c = _gradient_gemms(dz, w_c, hidden, bias, prec, layout)
+        if real is not None:
+            dw_c = jnp.where(real, dw_c, 0)
         return dh + dh_c, acc, dw_c, db_c
 
     def body(carry, i):
@@ -452,6 +475,7 @@ def _backward_fused_dz(
     g_entropy=None,
     weight_layout=VD,
     in_place=False,
+    real_rows=None,
 ):
     """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
     g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32. in_place: walk with
@@ -495,7 +519,7 @@ def _backward_fused_dz(
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
     if in_place:
-        last_len = _last_chunk_len(dz, hidden, weight, chunk, weight_layout)
+        last_len = _last_chunk_len(dz, hidden, weight, chunk, weight_layout, real_rows)
         dh, dw, db = _in_place_walk(
             dz.in_place,
             hp,
@@ -509,13 +533,14 @@ def _backward_fused_dz(
             weight_layout,
             operands,
             last_len=last_len,
+            real_rows=real_rows,
         )
     else:
-        dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, weight_layout)
+        dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, weight_layout, 0, vocab_size)
     return dh[:n].astype(hidden.dtype), dw, db
 
 
-def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: str) -> int:
+def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: WeightLayout, v_rows: int) -> int:
     """The length L of the in-place walk's last chunk, which covers [v_rows - L, v_rows) and
     recomputes the L - r columns before the last r = v_rows mod chunk (their dz is 0): the
     shortest L in [r, chunk] the walk's kernels take, trying r itself and then r rounded up to
@@ -524,7 +549,6 @@ def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: str) -> int:
     products to dh; dW rows written for them are overwritten by the last full chunk). At the
     Qwen3-8B head r = 4608 is taken as it is; a tensor-parallel shard of 38016 rows (TP=4)
     walks 2 x 16384 and 5376 (128 columns recomputed) instead of a clamped 16384 (11136)."""
-    v_rows = weight_layout.vocab_rows(weight)
     tail = v_rows % chunk
     if not tail:
         return 0
@@ -532,13 +556,25 @@ def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: str) -> int:
         length = -(-tail // (1 << k)) << k
         if length >= chunk:
             break
-        if _in_place_ok(dz, hidden, weight, length, weight_layout):
+        if _in_place_ok(dz, hidden, weight, length, weight_layout, v_rows):
             return length
     return chunk
 
 
 def _in_place_walk(
-    walk, hp, weight, bias, targets, rows, ent_kw, vocab_size, chunk, weight_layout, operands, last_len=None
+    walk,
+    hp,
+    weight,
+    bias,
+    targets,
+    rows,
+    ent_kw,
+    vocab_size,
+    chunk,
+    weight_layout,
+    operands,
+    last_len=None,
+    real_rows=None,
 ):
     """`_chunk_walk` of the fused dz kernel with a backend's `backends.InPlaceWalk`: the same
     chunks, dh summed in the same order (q full chunks in a scan, then the last r columns), but
@@ -558,7 +594,7 @@ def _in_place_walk(
     db (with a bias) is the chunk's column sum of dz written at the offset. Returns (dh [n_pad,
     D] f32, dW in the weight's layout and dtype, db or None)."""
     v_axis = weight_layout.vocab_axis
-    v_rows = weight.shape[v_axis]
+    v_rows = weight.shape[v_axis] if real_rows is None else real_rows  # the walk covers the real rows
     n_full, tail = divmod(v_rows, chunk)
     bias32 = None if bias is None else bias.astype(jnp.float32)
 
@@ -581,6 +617,10 @@ def _in_place_walk(
     dh = jnp.zeros(hp.shape, jnp.float32)
     dw = lax.empty(weight.shape, weight.dtype)  # every row is written (see the docstring)
     db = None if bias is None else lax.empty(bias.shape, jnp.float32)
+    pad = weight.shape[v_axis] - v_rows
+    if pad:  # padding rows: never walked, exact zeros (written before the kernels alias the buffer)
+        dw = weight_layout.put_chunk(dw, jnp.zeros(weight_layout.shape(pad, hp.shape[1]), weight.dtype), v_rows)
+        db = None if db is None else lax.dynamic_update_slice_in_dim(db, jnp.zeros((pad,), jnp.float32), v_rows, 0)
     dh, dw, db = vma.like((dh, dw, db), *operands)
     dz_first = None  # the last chunk's dz where its dW rows are written before the scan
     if tail:
