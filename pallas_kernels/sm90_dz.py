@@ -21,7 +21,7 @@ instruction sequence (no split-K, no atomics, fixed tile walk), so two runs give
 identical bytes. `dz_in_place` is the same kernel reading the chunk from the whole
 weight (and bias) at a traced offset, for the chunk walk without copies
 (`backends.InPlaceWalk`; H200: its walk's dW bytes equal the slice walk's,
-benchmarks/results/h200_2026-12-01f/call3_probe_walk10.log). `detlogp_jax.grad` calls it per chunk when the backend is
+docs/PERF_NOTES.md). `detlogp_jax.grad` calls it per chunk when the backend is
 pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
 entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
 geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).
@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from detlogp_jax.layout import as_layout
 from pallas_kernels import common, interpret_utils, tuning
 from pallas_kernels.common import F32, SWIZZLE, TILE, TILE_K
 
@@ -64,7 +65,7 @@ def build(
     interpret_params=None,
     cfg: tuning.DzConfig = tuning.DZ,
     has_entropy: bool = False,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     in_place: bool = False,
 ):
     """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, [c3, h], bounds) -> dz [n_pad, chunk] bf16.
@@ -75,7 +76,7 @@ def build(
     targets and bounds relative to the chunk."""
     if not isinstance(cfg, tuning.DzConfig):
         raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
-    dv = common.check_weight_layout(weight_layout)
+    dv = as_layout(weight_layout).transposed
     bm, n_wg, cta_rows, block_n = cfg.block_m, cfg.num_compute_wgs, cfg.rows_per_cta, cfg.block_n
     assert n_pad % cta_rows == 0 and chunk % block_n == 0 and d % TILE_K == 0
     n_rb, n_cb = n_pad // cta_rows, chunk // block_n
@@ -247,7 +248,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **opt
     entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
     weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas.
     """
-    chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
+    chunk = as_layout(options.get("weight_layout", "vd")).vocab_rows(w_c)
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
     return _launch(hidden_p, w_c, bias_c, targets_c, (inv_t, lse, c1, c2), bounds, chunk, False, **options)
 
@@ -273,7 +274,7 @@ def _launch(
     *,
     c3=None,
     h=None,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,

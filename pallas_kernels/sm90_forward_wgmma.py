@@ -41,17 +41,16 @@ Weight layouts (`build(weight_layout=...)`, static): "vd" reads W [Vl, D] as
 Flax/Tunix kernel W.T [D, Vl] in place as [64, 64 w] blocks (the same K slice
 of the same vocab columns) that wgmma takes as an N-major B operand. The wgmma
 instructions (m64nNk16, k ascending, one FP32 accumulator per tile group), the
-epilogue and every tree are the same, so both layouts are to give the same
-bytes; only how B reaches shared memory differs (to be confirmed on the H200:
-tests/gpu/h200_layout.sh).
+epilogue and every tree are the same, so both layouts give the same bytes; only
+how B reaches shared memory differs (checked on the H200: tests/gpu/h200_layout.sh).
 
 `sm90_forward_ws` (the decode and prefill buckets) is the same work items and
 bits with the chain in dedicated epilogue warpgroups fed through shared memory.
 
 Entropy (`build(return_entropy=True)`, static): the chain also carries the entropy
 statistic A of `linear-logp-entropy-v1` (docs/CONTRACT.md section 9) in the pipeline
-carry and stores it per (split, row) after z_t; without it the kernel is the one
-built before the statistic existed (benchmarks/mosaic_ir_hashes.py).
+carry and stores it per (split, row) after z_t; without it the kernel is exactly the one
+without the statistic (benchmarks/mosaic_ir_hashes.py keeps both apart).
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from detlogp_jax.layout import as_layout
 from pallas_kernels import common, interpret_utils, ptx_ops, tuning
 from pallas_kernels.common import F32, SWIZZLE, TILE, TILE_K
 
@@ -80,21 +80,21 @@ def build(
     interpret: bool,
     interpret_params=None,
     lg_rows: int | None = None,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     return_entropy: bool = False,
 ):
     """Builds the kernel callable (hidden, weight, bias_p, targets_p, inv_t_p) -> outputs (`common.out_type`).
 
-    weight_layout (static): "vd", the weight is [Vl, D] (each pipeline step copies a
+    weight_layout (static; "vd" / "dv" or a `detlogp_jax.layout.WeightLayout`): "vd", the
+    weight is [Vl, D] (each pipeline step copies a
     [64 w, 64] block, rows = vocab columns, and wgmma reads it through `.T`); "dv",
     the weight is [D, Vl] read in place (each step copies the [64, 64 w] block of the
     same K slice and columns, and wgmma reads it as B directly, an N-major operand;
     Vl a multiple of `common.DV_COL_MULTIPLE`). Same transforms, same wgmma calls
     (m64nNk16, k ascending, one FP32 accumulator per group), same epilogue: the K
     walk, the instruction shapes and the trees do not depend on where B comes from,
-    so both layouts are to give the same bytes (interpret mode checks the indexing;
-    the bits of the non-transposed B read are for the H200 to confirm). The "vd"
-    module is the one built before this argument existed.
+    so both layouts give the same bytes (interpret mode checks the indexing, the H200
+    the bits: tests/gpu/h200_layout.sh).
 
     return_entropy (static): the chain also carries the entropy statistic A
     (`linear-logp-entropy-v1`, `common.chain_step(..., a=)`) in the pipeline carry and
@@ -103,7 +103,7 @@ def build(
     """
     if not isinstance(cfg, tuning.WgmmaForwardConfig):
         raise TypeError(f"sm90_forward_wgmma needs a tuning.WgmmaForwardConfig, got {type(cfg).__name__}")
-    dv = common.check_weight_layout(weight_layout)
+    dv = as_layout(weight_layout).transposed
     bm = cfg.block_m
     n_wg = cfg.num_compute_wgs
     cta_rows = cfg.cta_rows
@@ -122,9 +122,7 @@ def build(
     transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     row_l, col_l = common.row_layout(), common.col_layout()
     extra_smem = tuning.logits_staging_bytes(cfg) if return_logits else 0
-    # pipeline_stages gives at least 2 > delay_release (0 or 1); a K walk of fewer steps has no delay.
     stages = min(tuning.pipeline_stages(cfg, w, TILE_K, extra_smem), n_groups * k_iters)
-    delay = cfg.delay_release if stages > cfg.delay_release else 0
     slots = cfg.logits_slots
     sg = cfg.split_group
     n_items = n_local * n_rb
@@ -134,9 +132,9 @@ def build(
     # layout ("dv": [K, N], the vocab columns minor; "vd": [N, K]). Same transforms either way
     # (a 128B-swizzled 64-element minor dimension), so the SMEM tile is what wgmma reads.
     if dv:
-        w_spec = plgpu.BlockSpec((TILE_K, gcols), lambda g, k: (k, g), transforms=transforms, delay_release=delay)
+        w_spec = plgpu.BlockSpec((TILE_K, gcols), lambda g, k: (k, g), transforms=transforms)
     else:
-        w_spec = plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms, delay_release=delay)
+        w_spec = plgpu.BlockSpec((gcols, TILE_K), lambda g, k: (g, k), transforms=transforms)
 
     def kernel(*refs):
         h_gmem, w_gmem, b_gmem, tgt_gmem, invt_gmem, m_out, s_out, zt_out, lg_out, a_out = common.unpack_refs(
@@ -149,9 +147,7 @@ def build(
                 grid=(n_groups, k_iters),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec(
-                        (cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms, delay_release=delay
-                    ),
+                    plgpu.BlockSpec((cta_rows, TILE_K), lambda g, k: (0, k), transforms=transforms),
                     w_spec,
                 ],
                 wg_axis="wg",
@@ -219,8 +215,6 @@ def build(
                 ctx_vals = {}
 
                 def epilogue(acc_ref, g, m, s, zt, *a):
-                    if delay and not interpret:
-                        plgpu.wgmma_wait(0)  # the group's last wgmma is still in flight
                     z_all = acc_ref[...]
                     ops, tgt, invt = ctx_vals["ops"], ctx_vals["tgt"], ctx_vals["invt"]
                     wrow = row0 + wg * bm
@@ -285,7 +279,7 @@ def build(
                     acc_ref, *st = carry  # st: (m, S, z_t[, A])
                     # B = the [K, N] view of the tile: the tile itself ("dv") or its transpose ("vd").
                     plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem if dv else w_smem.T)
-                    plgpu.wgmma_wait(delay)
+                    plgpu.wgmma_wait(0)
                     st = lax.cond(
                         k == k_iters - 1,
                         lambda *st: epilogue(acc_ref, g, *st),
