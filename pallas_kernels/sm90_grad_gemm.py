@@ -203,19 +203,7 @@ def _build(
                         acc = acc_ref[...]
                         if accumulate and interpret:  # the interpreter's accumulator takes no store
                             acc = out_gmem.at[o_rows, o_cols][...] + acc
-                        acc = acc.astype(out_dtype)
-                        for i in range(wm // EPI):
-                            for j in range(wn // EPI):
-                                slot = (i * (wn // EPI) + j) % slots
-                                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # its last store read it
-                                out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, slot],
-                                    out_gmem.at[o_rows, o_cols].at[pl.ds(i * EPI, EPI), pl.ds(j * EPI, EPI)],
-                                )
-                        if slots < boxes:  # a tile's stores are waited out before the next tile
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        _store_tile(acc.astype(out_dtype), out_smem, wg, out_gmem.at[o_rows, o_cols], slots)
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
                     # this warpgroup's rows of A, all of B
@@ -238,6 +226,23 @@ def _build(
         interpret=interpret,
         interpret_params=interpret_params,
     )
+
+
+def _store_tile(acc, out_smem, wg, out_tile, slots: int):
+    """A warpgroup's finished [wm, wn] tile (in the output dtype) to `out_tile` by TMA in [EPI, EPI]
+    boxes through `slots` staging slots, each reused once its last store has read it; a tile's
+    stores are waited out before the next tile where the slots do not hold all of its boxes."""
+    wm, wn = acc.shape
+    boxes = (wm // EPI) * (wn // EPI)
+    for i in range(wm // EPI):
+        for j in range(wn // EPI):
+            slot = (i * (wn // EPI) + j) % slots
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # its last store read it
+            out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[pl.ds(i * EPI, EPI), pl.ds(j * EPI, EPI)])
+    if slots < boxes:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 _STATIC = ("geom", "num_ctas", "cfg", "interpret", "interpret_params")
