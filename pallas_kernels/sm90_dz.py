@@ -312,6 +312,6 @@ def _launch(
         interpret=interpret,
         interpret_params=interpret_params,
         has_entropy=c3 is not None,
-        weight_layout=weight_layout,
+        weight_layout=as_layout(weight_layout),  # (one jit entry per layout, named or typed)
         in_place=in_place,
     )

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 # wgmma N is at most 256 columns = 4 tiles.
 MAX_TILES_PER_GROUP = 4
@@ -235,7 +236,7 @@ class GradGemmConfig:
 # M-bucketed launch table. Every entry must give identical bytes (tested). Both ws buckets hand
 # tiles to the epilogue as two swizzled [bm, 32] halves, 8 slices per epilogue step (H200, kernel
 # alone: M = 4096 7.754 vs 7.857 ms for eight [bm, 8] slices, 2 per step; docs/PERF_NOTES.md).
-BUCKETS: dict[str, ForwardConfig] = {
+_BUCKETS: dict[str, ForwardConfig] = {
     # One row block of 64; the 264 splits spread over all SMs (2 per CTA), deep TMA pipeline to
     # keep ~4 TB/s of weight streaming in flight; the chain in the epilogue warpgroup (5 stages of
     # 32 KiB + 48 KiB hand-off), so the weight stream does not pause between tile groups (H200,
@@ -256,7 +257,9 @@ BUCKETS: dict[str, ForwardConfig] = {
 # The prefill kernel with work items in groups of 2 splits (bit-neutral) for 256 < M <= 2048,
 # where it was faster (H200, kernel alone, split_group 2 vs 4: M = 512 0.986 vs 1.005 ms, 2048
 # 3.714 vs 3.861; at 4096 7.741 vs 7.701, so prefill keeps 4; docs/PERF_NOTES.md).
-BUCKETS["mid"] = dataclasses.replace(BUCKETS["prefill"], name="mid", split_group=2)
+_BUCKETS["mid"] = dataclasses.replace(_BUCKETS["prefill"], name="mid", split_group=2)
+# Read-only: a launch other than the table's is a config passed in (`select_bucket(bucket=)`).
+BUCKETS: "types.MappingProxyType[str, ForwardConfig]" = types.MappingProxyType(_BUCKETS)
 
 # The fold of a call of more than DECODE_ROWS rows, and of the TP path (`fold`).
 FOLD = FoldConfig()

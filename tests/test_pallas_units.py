@@ -346,7 +346,7 @@ def test_forward_configs_refuse_bad_values(cls, bad, what):
 def test_configs_have_only_their_kernels_fields():
     """logits_slots belongs to the chain-in-wgmma kernel; the ws kernel's config has the shared
     fields only (its hand-off, registers and epilogue warpgroup are fixed); the shared part is
-    not a config of any kernel; the configs are frozen."""
+    not a config of any kernel; the configs and the bucket table are frozen."""
     assert {f.name for f in dataclasses.fields(tuning.WsForwardConfig)} == {
         f.name for f in dataclasses.fields(tuning.ForwardConfig)
     }
@@ -361,6 +361,8 @@ def test_configs_have_only_their_kernels_fields():
         tuning.ForwardConfig("x", block_m=64, num_compute_wgs=1, max_concurrent_steps=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         tuning.BUCKETS["small"].block_m = 128
+    with pytest.raises(TypeError):  # the table is read-only: another launch is a config passed in
+        tuning.BUCKETS["small"] = tuning.BUCKETS["mid"]
 
 
 @pytest.mark.parametrize(
@@ -910,3 +912,77 @@ def test_row_invariant_interpret_matmul_is_a_fixed_order_sum_per_element():
     assert block[i, j] == np.float32(s)
     with pytest.raises(ValueError, match=r"\[m, k\] @ \[k, n\]"):
         mm(a[None], b)
+
+
+def test_entry_points_take_a_weight_layout_or_its_name():
+    """Every entry point the op core calls takes weight_layout as "vd" / "dv" or as a
+    `detlogp_jax.layout.WeightLayout` (converted once with `as_layout`), with the same result:
+    supports / unsupported, the registry entry's dz and in-place predicates, and the lowered
+    partials, forward, dz and gradient GEMM programs (the same StableHLO ops and Mosaic
+    modules); an unknown layout is refused naming the two."""
+    from detlogp_jax.layout import DV, VD
+    from pallas_kernels import backend, sm90_dz, sm90_grad_gemm, wrapper
+
+    S = jax.ShapeDtypeStruct
+    h, w_dv = S((4, 128), jnp.bfloat16), S((128, 512), jnp.bfloat16)
+    assert pk.supports(h, w_dv, DV) == pk.supports(h, w_dv, "dv") == (True, "ok")
+    assert pk.supports(h, S((512, 128), jnp.bfloat16), VD) == (True, "ok")
+    assert wrapper.unsupported(h, S((128, 328), jnp.bfloat16), DV) == wrapper.unsupported(
+        h, S((128, 328), jnp.bfloat16), "dv"
+    )
+    with pytest.raises(ValueError, match="'vd'.*'dv'"):
+        pk.supports(h, w_dv, "kv")
+    entry = backend.backend_entry()
+    assert entry.dz.supports(h, w_dv, 512, DV) and entry.dz.supports(h, w_dv, 512, "dv")
+    assert entry.dz.in_place.supports(256, 512, 1536, 512, DV) == entry.dz.in_place.supports(256, 512, 1536, 512, "dv")
+
+    from benchmarks import mosaic_ir_hashes as mh
+
+    mh._capture_modules()
+
+    def text(f, *args):
+        """The lowered program: its StableHLO ops and the digests of its Mosaic modules (without
+        locations: the two calls differ only in their Python call sites)."""
+        start = len(mh._captured)
+        hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        modules = [mh._digest(m) for m in mh._captured[start:]]
+        assert modules, "no Mosaic module lowered"
+        return re.findall(r"\bstablehlo\.([a-z_]+)", hlo), modules
+
+    t, it = S((4,), jnp.int32), S((4,), jnp.float32)
+    for layout in ("dv", "vd"):
+        typed = {"dv": DV, "vd": VD}[layout]
+        w = S((128, 512) if layout == "dv" else (512, 128), jnp.bfloat16)
+
+        def parts(h, w, t, it, lay):
+            return pk.partials(h, w, None, t, it, vocab_size=500, padded_vocab_size=512, weight_layout=lay)[:2]
+
+        def fwd(h, w, t, it, lay):
+            return pk.forward(h, w, None, t, it, vocab_size=500, padded_vocab_size=512, weight_layout=lay)[:2]
+
+        for fn in (parts, fwd):
+            assert text(lambda *a, fn=fn: fn(*a, layout), h, w, t, it) == text(
+                lambda *a, fn=fn: fn(*a, typed), h, w, t, it
+            )
+        n, chunk = 128, 256
+        hp, dz = S((n, 128), jnp.bfloat16), S((n, chunk), jnp.bfloat16)
+        wc = S((128, chunk) if layout == "dv" else (chunk, 128), jnp.bfloat16)
+        v = S((n,), jnp.float32)
+
+        def dzc(hp, wc, tt, a, lay):
+            return sm90_dz.dz_chunk(hp, wc, None, tt, a, a, a, a, 0, chunk, weight_layout=lay)
+
+        tt = S((n,), jnp.int32)
+        assert text(lambda *a: dzc(*a, layout), hp, wc, tt, v) == text(lambda *a: dzc(*a, typed), hp, wc, tt, v)
+        wf = S((256, 1024) if layout == "dv" else (1024, 256), jnp.bfloat16)  # (D = 256: the GEMMs' tile)
+        st, dh, hp = S((), jnp.int32), S((n, 256), jnp.float32), S((n, 256), jnp.bfloat16)
+
+        def dha(dh, dz, w, s, lay):
+            return sm90_grad_gemm.dh_accumulate(dh, dz, w, s, weight_layout=lay)
+
+        assert text(lambda *a: dha(*a, layout), dh, dz, wf, st) == text(lambda *a: dha(*a, typed), dh, dz, wf, st)
+
+        def dww(dw, dz, h, s, lay):
+            return sm90_grad_gemm.dw_write(dw, dz, h, s, weight_layout=lay)
+
+        assert text(lambda *a: dww(*a, layout), wf, dz, hp, st) == text(lambda *a: dww(*a, typed), wf, dz, hp, st)
