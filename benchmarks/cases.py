@@ -116,10 +116,7 @@ def unsupported_reason(backend: str, hidden, weight, weight_layout: str = "vd", 
     if not be.reads(weight_layout):
         return f"{backend} does not read a weight_layout={weight_layout!r} weight in place"
     if entropy and not be.entropy:
-        return (
-            f"{backend} does not declare the entropy (return_entropy=True is refused; for a pallas_sm90 whose "
-            "pallas_kernels.backend.ENTROPY_VALIDATED is False: run through tests/gpu/with_entropy.py)"
-        )
+        return f"{backend} does not declare the entropy (its registry entry refuses return_entropy=True)"
     ok, why = be.supports(hidden, weight) if weight_layout == "vd" else be.supports(hidden, weight, weight_layout)
     return None if ok else f"{backend} cannot serve this call: {why}"
 

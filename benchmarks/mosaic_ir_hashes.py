@@ -10,33 +10,30 @@ CPU-only machine) and prints the sha256 of its Mosaic module printed without deb
 locations, i.e. the program Mosaic hands to its compiler. Identical lines before and
 after a refactor mean the GPU runs the same kernels (so the H200 validation still
 holds); a changed line names the variant that a GPU run must check again. Variants:
-the forward kernel of every bucket plus two off-by-default knobs (delay_release on
-the chain-in-wgmma kernel, cluster on the ws kernel), trainer and serving entries,
-with and without bias, at the Qwen3-8B shape and a small one; the same forward
-variants reading a [D, V] weight in place (weight_layout="dv", Qwen3-8B shape;
-their lines say `dv`, the [V, D] lines are named as before); the backward's dz
-kernel; both fold layouts. Each kernel is built through its module's public `build`
-with the static arguments `pallas_kernels.wrapper.partials` (or `sm90_dz.dz_chunk`,
-`pk.fold`) would pass.
+the forward kernel of every bucket, trainer and serving entries, with and without bias,
+at the Qwen3-8B shape and a small one; the same forward variants reading a [D, V] weight
+in place (weight_layout="dv", Qwen3-8B shape; their lines say `dv`, the [V, D] lines
+carry no layout); the backward's dz kernel; the fold. Each kernel is built through its
+module's public `build` with the static arguments `pallas_kernels.wrapper.partials` (or
+`sm90_dz.dz_chunk`, `pk.fold`) would pass.
 
 After those (the "base" set) come the kernels built with the entropy statistic
 (`linear-logp-entropy-v1`: `return_entropy=True`, `pk.fold(..., a=)`), lines marked
 `entropy`: the same forward variants at the Qwen3-8B [V, D] shape and the small
-shape, the [D, V] variants at the Qwen3-8B shape without bias, and both fold layouts.
-The base lines are the programs built before the statistic existed (a kernel built
-without it must not change when it is added). Last (with "base") come the backward's
-in-place chunk walk kernels (`walk_hashes`: lines `backward dz in_place`, `backward dh
-gemm`, `backward dw gemm`), after every older line so that the older lines keep their places;
-`python -m benchmarks.mosaic_ir_hashes walk` prints those lines alone. After them (also with
-"base") the fourteenth session's fused-forward lines (`fused_hashes`: the fold forming z_t from
-the split captures, the unpadded-rows option's forward and fold); `... fused` prints them alone.
-`python -m benchmarks.mosaic_ir_hashes fold` prints the four fold lines of "base" and "entropy"
-alone (with `fused`: every fold module, the guard of a change to `sm90_fold` only).
+shape, the [D, V] variants at the Qwen3-8B shape without bias, and the fold.
+A kernel built without the statistic must not change when the statistic changes. Last
+(with "base") come the backward's in-place chunk walk kernels (`walk_hashes`: lines
+`backward dz in_place`, `backward dh gemm`, `backward dw gemm`), after every older line so
+that the older lines keep their places; `python -m benchmarks.mosaic_ir_hashes walk` prints
+those lines alone. After them (also with "base") the fused forward's lines (`fused_hashes`:
+the fold forming z_t from the split captures, a decode call's forward and fold with its rows
+unpadded); `... fused` prints them alone. `python -m benchmarks.mosaic_ir_hashes fold` prints
+the fold lines of "base" and "entropy" alone (with `fused`: every fold module, the guard of a
+change to `sm90_fold` only).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import re
@@ -99,10 +96,7 @@ def _forward_build(cfg):
 
 
 def _forward_configs():
-    configs = dict(tuning.BUCKETS)
-    configs["delay"] = dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3)
-    configs["cluster2"] = dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2)
-    return configs
+    return dict(tuning.BUCKETS)
 
 
 SHAPES = [("vd", 4096, 4096, 151936, 152064), ("vd", 72, 192, 1000, 1024), ("dv", 4096, 4096, 151936, 152064)]
@@ -171,7 +165,7 @@ def _lower_dz(n, d, chunk, w_shape, bias_shape, entropy, layout, in_place=False)
 def backward_hashes(entropy: bool = False):
     """The dz kernel: the base set builds the [V, D] kernel without the entropy term
     (bias off/on); the entropy set the entropy term in both layouts and the [D, V]
-    kernel without it (the dv kernel is an addition of the entropy session)."""
+    kernel without it."""
     n, d, chunk = 256, 192, 512
     variants = [(False, "vd", b) for b in (False, True)]
     if entropy:
@@ -186,8 +180,7 @@ def backward_hashes(entropy: bool = False):
 
 
 def walk_hashes():
-    """The backward's in-place chunk walk (tenth session; appended after the base set's older
-    lines): the dz kernel reading the whole weight at a traced offset ([V, D] with and without a
+    """The backward's in-place chunk walk (appended after the base set's older lines): the dz kernel reading the whole weight at a traced offset ([V, D] with and without a
     bias, [D, V]) and the two gradient GEMMs of `sm90_grad_gemm` in both layouts (dW also for a
     last chunk's column range), with the shipped configs and the calls `grad` makes."""
     from pallas_kernels import sm90_grad_gemm as gg
@@ -210,27 +203,26 @@ def walk_hashes():
 
 
 def fold_hashes(entropy: bool = False):
+    """The fold of 300 rows of 264 splits given z_t (`pk.fold`), without / with the entropy."""
     n, n_split = 300, 264
-    for knobs in ({}, {"staged": False}):
-        a, v, t = _sds((n, n_split), jnp.float32), _sds((n,), jnp.float32), _sds((n,), jnp.int32)
-        if entropy:
-            fn = lambda m, s, st, z, tt, it: pk.fold(m, s, z, tt, it, 151936, a=st, **knobs)  # noqa: E731
-            jax.jit(fn).trace(a, a, a, v, t, v).lower(lowering_platforms=("cuda",))
-            yield f"fold entropy {knobs or 'staged'}", _take()
-        else:
-            jax.jit(lambda *x: pk.fold(*x, 151936, **knobs)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
-            yield f"fold {knobs or 'staged'}", _take()
+    a, v, t = _sds((n, n_split), jnp.float32), _sds((n,), jnp.float32), _sds((n,), jnp.int32)
+    if entropy:
+        fn = lambda m, s, st, z, tt, it: pk.fold(m, s, z, tt, it, 151936, a=st)  # noqa: E731
+        jax.jit(fn).trace(a, a, a, v, t, v).lower(lowering_platforms=("cuda",))
+        yield "fold entropy staged", _take()
+    else:
+        jax.jit(lambda *x: pk.fold(*x, 151936)).trace(a, a, v, t, v).lower(lowering_platforms=("cuda",))
+        yield "fold staged", _take()
 
 
 def fused_hashes():
-    """The fourteenth session's modules (appended after the walk lines): the staged fold forming
-    z_t from the forward's split captures (`sm90_fold.fold_transposed(ztT=)`, without and with
-    the entropy: the fold of the shipped fused forward, `pk.forward`), and `pk.forward(unpadded=True)`
-    at M=8 in the decode bucket: the ws forward kernel reading the rows' targets / inv_t by
-    scalar loads and hidden with an 8-row box (`row_loads`, `h_box_rows`; until the twenty-first
-    session `row_tma`, the line then named "decode row_tma") and the fold writing [N] outputs;
-    then (twenty-first session) M=1, whose fold also moves its row inputs and outputs by scalar
-    loads and stores (`scalar_rows`)."""
+    """The fused forward's modules (appended after the walk lines): the fold forming z_t from
+    the forward's split captures (`sm90_fold.fold_transposed(ztT=)`, without and with the
+    entropy: the fold of the shipped fused forward, `pk.forward`), and `pk.forward` at M=8 in
+    the decode bucket: the ws forward kernel reading the rows' targets / inv_t by scalar loads
+    and hidden with an 8-row box (`row_loads`, `h_box_rows`) and the fold writing [N] outputs
+    (the decode fold, `tuning.DECODE_FOLD`); then M=1, whose fold also moves its row inputs and
+    outputs by scalar loads and stores (`scalar_rows`)."""
     from pallas_kernels import sm90_fold
 
     n, n_split = 300, 264
@@ -245,7 +237,7 @@ def fused_hashes():
     d, v_real, v_rows = 4096, 151936, 152064
 
     def fwd(h, w, tt, it):
-        return pk.forward(h, w, None, tt, it, vocab_size=v_real, padded_vocab_size=v_rows, unpadded=True)[:2]
+        return pk.forward(h, w, None, tt, it, vocab_size=v_real, padded_vocab_size=v_rows)[:2]
 
     for m in (8, 1):
         args = (_sds((m, d), jnp.bfloat16), _sds((v_rows, d), jnp.bfloat16), _sds((m,), jnp.int32))
@@ -279,7 +271,7 @@ def main(argv=None):
         gens += [fold_hashes, lambda: fold_hashes(entropy=True)]
     if "base" in which or "walk" in which:  # "walk" alone: the in-place walk's lines only
         gens.append(walk_hashes)
-    if "base" in which or "fused" in which:  # "fused" alone: the fourteenth session's lines only
+    if "base" in which or "fused" in which:  # "fused" alone: the fused forward's lines only
         gens.append(fused_hashes)
     for gen in gens:
         for name, digest in gen():

@@ -4,8 +4,6 @@
     python benchmarks/run.py --shape qwen3_8b --backends pallas_sm90,xla,xla_chunked,gemm
     python -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --weight_layout dv --ms 1,64,4096
     python -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --entropy --ms 1,4096,16384
-    # a pallas_sm90 whose pallas_kernels.backend.ENTROPY_VALIDATED is False (it refuses the entropy then):
-    python3 tests/gpu/with_entropy.py -m benchmarks.run --shape qwen3_8b --backends pallas_sm90 --entropy
 
 Writes the JSON and the PNG into a new ./detlogp-results/<UTC stamp>/ (untracked) unless
 --out_dir or --out says where. See benchmarks/README.md for the columns and the recommended
@@ -114,8 +112,7 @@ flags.DEFINE_bool(
     False,
     "Also time every library backend with return_entropy=True (rows '<backend>+entropy', right after the "
     "backend's own case at each M, same inputs); records the time ratio and whether logp/lse bytes are "
-    "unchanged. pallas_sm90 serves it while pallas_kernels.backend.ENTROPY_VALIDATED is set (it is); "
-    "with it unset, run this module through tests/gpu/with_entropy.py.",
+    "unchanged. A backend whose registry entry does not declare the entropy is skipped with the reason.",
 )
 
 

@@ -14,23 +14,24 @@ Interface (mirrors `detlogp_jax.reference`):
 plus `is_available()`, `unavailable_reason()`, `supports(hidden, weight)`,
 `shard_geometry`, the launch table `BUCKETS` / `select_bucket`, the
 bit-neutral launch knobs `bucket=` / `num_ctas=` and the CPU `interpret=` switch.
+Every `weight_layout=` takes "vd" / "dv" or a `detlogp_jax.layout.WeightLayout`.
 
 Supported: bf16 hidden and weight, D a positive multiple of 64, a CUDA GPU of
 compute capability 9.x (or interpret mode on any host). The registry entry
-(`backend.py`) declares the entropy while `backend.ENTROPY_VALIDATED` is set
-(it is: the H200 validation, tests/gpu/h200_entropy.sh, passed on 2026-12-01). The weight is read in
-place in either layout: [V, D] (weight_layout="vd", lm_head) or [D, V] ("dv", a
-Flax/Tunix kernel; V a multiple of 64), same kernels, same bytes.
+(`backend.py`) declares the entropy statistic (validated on the H200:
+tests/gpu/h200_entropy.sh). The weight is read in place in either layout: [V, D]
+("vd", lm_head) or [D, V] ("dv", a Flax/Tunix kernel; V a multiple of 64), same
+kernels, same bytes.
 
-Modules: `wrapper` (host side: `partials`, `unsupported`), one per kernel
-(`sm90_forward_wgmma`: the chain in the wgmma warpgroups; `sm90_forward_ws`:
-the chain in dedicated epilogue warpgroups; `sm90_fold`: the split fold;
-`sm90_dz`: the backward's dz; `sm90_grad_gemm`: the backward's dh / dW GEMMs reading
-and writing in place), `common` (what the kernels share: tile
-constants, shard geometry, work items, the chain step, layouts, outputs),
-`tuning` (one frozen config per kernel, the bucket table, bit-neutral
-geometry), `tile_math` / `ptx_ops` / `ptx_programs` (the contract's per-tile
-arithmetic), `interpret_utils`, and `backend` (the registry entry).
+Modules: `wrapper` (host side: `partials`, `forward`, `unsupported`, the launch's
+`ForwardLaunch`), one per kernel (`sm90_forward_wgmma`: the chain in the wgmma
+warpgroups; `sm90_forward_ws`: the chain in a dedicated epilogue warpgroup; `sm90_fold`:
+the split fold; `sm90_dz`: the backward's dz; `sm90_grad_gemm`: the backward's dh / dW
+GEMMs reading and writing in place), `common` (what the kernels share: tile constants,
+shard geometry, work items, the chain step, layouts, outputs), `tuning` (one frozen config
+per kernel, the bucket table, bit-neutral geometry), `tile_math` / `ptx_ops` /
+`ptx_programs` (the contract's per-tile arithmetic), `interpret_utils`, and `backend` (the
+registry entry).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def is_available() -> bool:
     return not unavailable_reason()
 
 
-def supports(hidden, weight, weight_layout: str = "vd") -> tuple[bool, str]:
+def supports(hidden, weight, weight_layout="vd") -> tuple[bool, str]:
     """(ok, reason): whether this backend accepts these operands (shapes/dtypes only);
-    weight is [V, D] (weight_layout="vd") or [D, V] ("dv", read in place)."""
+    weight is [V, D] (weight_layout "vd" / `VD`) or [D, V] ("dv" / `DV`, read in place)."""
     why = unsupported(hidden, weight, weight_layout)
     return (why is None), (why or "ok")
 

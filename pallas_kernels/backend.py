@@ -1,28 +1,36 @@
-"""The `pallas_sm90` registry entry: everything the op core needs from this package."""
+"""The `pallas_sm90` registry entry: everything the op core needs from this package.
+
+The entry declares the entropy statistic (`linear-logp-entropy-v1`, `Backend.entropy`; the
+kernels compute it: `partials(..., return_entropy=True)`, `fold(..., a=A)`): its bytes were
+validated on the H200 (tests/gpu/h200_entropy.sh: the ladder's F stages, the GPU golden
+entropy records). A kernel change that touches the statistic must pass that validation again
+before it ships. Every `weight_layout` the entry's functions take is "vd" / "dv" or a
+`detlogp_jax.layout.WeightLayout` (converted once, where each function starts).
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from detlogp_jax.backends import Backend, DzKernel, InPlaceWalk
-
-# Whether the registry entry declares the entropy statistic (`linear-logp-entropy-v1`,
-# `Backend.entropy`; the kernels compute it: `partials(..., return_entropy=True)`,
-# `fold(..., a=A)`). False would make `linear_logp(return_entropy=True,
-# backend="pallas_sm90")` refuse (and `auto` fall back to `reference`). True since the
-# H200 confirmed its bits (2026-12-01, benchmarks/results/h200_2026-12-01b/: ladder F1
-# and F2 PASS, 0 rows differing over M = 1..16384, every bucket; the GPU golden entropy
-# records recorded, replayed in a fresh process and merged into the packaged file).
-# A kernel change that touches the statistic sets it False again until
-# tests/gpu/h200_entropy.sh passes. (Not an environment variable: the op refuses unknown
-# DETLOGP_* variables. tests/gpu/with_entropy.py sets it in one process for validation.)
-ENTROPY_VALIDATED = True
+from detlogp_jax.layout import as_layout
 
 
 def backend_entry() -> Backend:
     """The contract-bearing Hopper backend (registered by `detlogp_jax.backends` through its plugin spec)."""
     import pallas_kernels as pk
     from pallas_kernels import sm90_dz, sm90_grad_gemm, wrapper
+
+    def dz_supports(h, w, chunk, weight_layout):
+        return (
+            h.dtype == jnp.bfloat16
+            and wrapper.unsupported(h, w, as_layout(weight_layout)) is None
+            and sm90_dz.chunk_supported(chunk)
+        )
+
+    def in_place_supports(n_pad, d, v_rows, chunk, weight_layout):
+        as_layout(weight_layout)  # (either layout: refuses anything else)
+        return v_rows % sm90_grad_gemm.START_MULTIPLE == 0 and sm90_grad_gemm.supported(n_pad, d, chunk)
 
     return Backend(
         name="pallas_sm90",
@@ -37,16 +45,12 @@ def backend_entry() -> Backend:
         layouts=frozenset({"vd", "dv"}),
         # The dz kernel reads [chunk, D] ("vd") and [D, chunk] ("dv") weight chunks and takes
         # the entropy term (c3, h). It is not part of the contract (the backward is
-        # deterministic, not frozen), so it does not wait for ENTROPY_VALIDATED; the GPU
-        # gradient tests (tests/gpu/test_grad_gpu.py) check it against float64 and the
-        # XLA-formed dz in both layouts, with and without the entropy term.
+        # deterministic, not frozen); the GPU gradient tests (tests/gpu/test_grad_gpu.py) check
+        # it against float64 and the XLA-formed dz in both layouts, with and without the
+        # entropy term.
         dz=DzKernel(
             fn=sm90_dz.dz_chunk,
-            supports=lambda h, w, chunk, weight_layout: (
-                h.dtype == jnp.bfloat16
-                and wrapper.unsupported(h, w, weight_layout) is None
-                and sm90_dz.chunk_supported(chunk)
-            ),
+            supports=dz_supports,
             row_multiple=sm90_dz.ROWS_PER_CTA,
             layouts=frozenset({"vd", "dv"}),
             entropy=True,
@@ -57,14 +61,12 @@ def backend_entry() -> Backend:
                 dz=sm90_dz.dz_in_place,
                 dh=sm90_grad_gemm.dh_accumulate,
                 dw=sm90_grad_gemm.dw_write,
-                supports=lambda n_pad, d, v_rows, chunk, weight_layout: (
-                    v_rows % sm90_grad_gemm.START_MULTIPLE == 0 and sm90_grad_gemm.supported(n_pad, d, chunk)
-                ),
+                supports=in_place_supports,
                 dw_cols_supported=sm90_grad_gemm.cols_supported,
             ),
         ),
         description="Pallas Mosaic GPU kernel for Hopper (sm_90): wgmma + TMA, fused streaming LSE",
         knobs=frozenset({"bucket", "num_ctas"}),
         unavailable_reason=pk.unavailable_reason,
-        entropy=ENTROPY_VALIDATED,
+        entropy=True,
     )

@@ -20,9 +20,9 @@ kernel module or the host wrapper.
   `gather_rows`: row inputs shorter than a box, read by scalar loads (no TMA).
 * `unpack_refs`, `out_type`: the forward kernels' operands and outputs
   (m, S, z_t, [A], [logits]).
-* `WEIGHT_LAYOUTS`, `check_weight_layout`, `DV_COL_MULTIPLE`: the weight layouts
-  the forward kernels read in place ("vd": lm_head [Vl, D]; "dv": a Flax/Tunix
-  kernel [D, Vl]) and what a "dv" weight's column count must divide by.
+* `DV_COL_MULTIPLE`: what a [D, V] weight's column count must divide by (the kernels read
+  either layout in place; a build's `weight_layout` is "vd" / "dv" or a
+  `detlogp_jax.layout.WeightLayout`, converted once with `as_layout`).
 """
 
 from __future__ import annotations
@@ -42,23 +42,10 @@ TILE = C.TILE_V
 TILE_K = 64  # K slice per pipeline step: 64 bf16 = 128 bytes = one 128B swizzle row.
 SWIZZLE = 128
 
-# Weight layouts the forward kernels read in place (a static build argument):
-# "vd": W [Vl, D], the lm_head layout; TMA copies [N rows, K] blocks and wgmma
-#       reads the B operand through a transposed view of the tile.
-# "dv": W.T [D, Vl], a Flax/Tunix kernel; TMA copies [K rows, N columns] blocks
-#       and wgmma reads the tile as B directly (an N-major operand).
-WEIGHT_LAYOUTS = ("vd", "dv")
-# A "dv" weight's vocab columns are TMA's tiled minor dimension (one 128-byte
-# swizzle row = 64 bf16 columns per tile): Mosaic tiles the whole [D, Vl] array,
-# so Vl must be a multiple of 64 (real vocabularies and their canonical padding are).
+# A [D, V] weight's vocab columns (`detlogp_jax.layout.DV`, read in place) are TMA's tiled minor
+# dimension (one 128-byte swizzle row = 64 bf16 columns per tile): Mosaic tiles the whole
+# [D, Vl] array, so Vl must be a multiple of 64 (real vocabularies and their canonical padding are).
 DV_COL_MULTIPLE = SWIZZLE // 2
-
-
-def check_weight_layout(weight_layout: str) -> bool:
-    """True for "dv", False for "vd"; ValueError for anything else."""
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
-    return weight_layout == "dv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +170,7 @@ def gather_rows(ref, base, n_rows: int, length: int, fill, layout, interpret: bo
     One scalar load per position (every thread loads the same word; the index is clamped to
     n_rows - 1, so no read leaves the n_rows-entry array), merged by selects. For targets /
     inv_t of a decode call passed unpadded: a 1-D TMA operand of 4 or 12 bytes read wrong on
-    the H200 (benchmarks/results/h200_2026-12-02d/), and a padded copy is an XLA op per call.
+    the H200 (docs/PERF_NOTES.md), and a padded copy is an XLA op per call.
     base: a Python int (positions at or past n_rows are then left out statically) or a traced
     int32 (every position is loaded, clamped, and selected by base + i < n_rows). Pure data
     movement: the values reaching the caller are the entries themselves."""
@@ -318,9 +305,7 @@ __all__ = [
     "TILE",
     "TILE_K",
     "SWIZZLE",
-    "WEIGHT_LAYOUTS",
     "DV_COL_MULTIPLE",
-    "check_weight_layout",
     "ShardGeometry",
     "shard_geometry",
     "work_item",

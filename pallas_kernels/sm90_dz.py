@@ -21,7 +21,7 @@ instruction sequence (no split-K, no atomics, fixed tile walk), so two runs give
 identical bytes. `dz_in_place` is the same kernel reading the chunk from the whole
 weight (and bias) at a traced offset, for the chunk walk without copies
 (`backends.InPlaceWalk`; H200: its walk's dW bytes equal the slice walk's,
-benchmarks/results/h200_2026-12-01f/call3_probe_walk10.log). `detlogp_jax.grad` calls it per chunk when the backend is
+docs/PERF_NOTES.md). `detlogp_jax.grad` calls it per chunk when the backend is
 pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
 entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
 geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).
@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from detlogp_jax.layout import as_layout
 from pallas_kernels import common, interpret_utils, tuning
 from pallas_kernels.common import F32, SWIZZLE, TILE, TILE_K
 
@@ -64,7 +65,7 @@ def build(
     interpret_params=None,
     cfg: tuning.DzConfig = tuning.DZ,
     has_entropy: bool = False,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     in_place: bool = False,
 ):
     """Kernel (hidden, w_c, [bias_c], tgt, inv_t, lse, c1, c2, [c3, h], bounds) -> dz [n_pad, chunk] bf16.
@@ -75,7 +76,7 @@ def build(
     targets and bounds relative to the chunk."""
     if not isinstance(cfg, tuning.DzConfig):
         raise TypeError(f"sm90_dz needs a tuning.DzConfig, got {type(cfg).__name__}")
-    dv = common.check_weight_layout(weight_layout)
+    dv = as_layout(weight_layout).transposed
     bm, n_wg, cta_rows, block_n = cfg.block_m, cfg.num_compute_wgs, cfg.rows_per_cta, cfg.block_n
     assert n_pad % cta_rows == 0 and chunk % block_n == 0 and d % TILE_K == 0
     n_rb, n_cb = n_pad // cta_rows, chunk // block_n
@@ -83,14 +84,12 @@ def build(
     transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     out_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     row_l = common.row_layout()
-    col_l = common.col_layout()
     stages = min(cfg.max_concurrent_steps, k_iters)
     if dv:  # [K, N] blocks of the [D, chunk] slice, read by wgmma as B directly
         w_spec = plgpu.BlockSpec((TILE_K, block_n), lambda k: (k, 0), transforms=transforms)
     else:  # [N, K] blocks of the [chunk, D] slice, read through .T
         w_spec = plgpu.BlockSpec((block_n, TILE_K), lambda k: (0, k), transforms=transforms)
 
-    cast = functools.partial(interpret_utils.cast, interpret=interpret)
     load = functools.partial(interpret_utils.load, interpret=interpret)
 
     def kernel(*refs):
@@ -161,29 +160,9 @@ def build(
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, block_n), F32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        z_all = acc_ref[...]
-                        col_iota = cast(lax.broadcasted_iota(jnp.int32, (bm, TILE), 1), plgpu.Layout.WGMMA)
-                        bc = lambda v: jnp.broadcast_to(v[:, None], (bm, TILE))
-                        for i in range(block_n // TILE):
-                            c = col0 + i * TILE
-                            z = z_all[:, i * TILE : (i + 1) * TILE]
-                            if has_bias:
-                                b = load(b_gmem.at[pl.ds(shift(c), TILE)], col_l)
-                                z = z + jnp.broadcast_to(b[None, :], (bm, TILE))
-                            col = col_iota + shift(c)  # the column in the targets' and bounds' frame
-                            u = z * bc(invt) - bc(lse)
-                            if has_entropy:  # keep c3 * u finite where p = 0 (see U_FLOOR)
-                                u = jnp.maximum(u, jnp.full((bm, TILE), U_FLOOR, F32))
-                            p = jnp.exp(u)
-                            q = bc(c1) + bc(c3) * u if has_entropy else bc(c1)
-                            dz = q * p + jnp.where(col == bc(tgt), bc(c2), jnp.zeros((bm, TILE), F32))
-                            dz = jnp.where((col >= lo) & (col < hi), dz, jnp.zeros((bm, TILE), F32))
-                            slot = i % 2
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem.at[wg, slot][...] = dz.astype(jnp.bfloat16)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dz_out.at[rows, pl.ds(c, TILE)])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        coeffs = (tgt, invt, lse, c1, c2, c3 if has_entropy else None)
+                        out = (out_smem, wg, dz_out, rows)
+                        _store_dz(acc_ref[...], coeffs, (lo, hi), col0, shift, b_gmem, out, interpret=interpret)
 
                 def mma_body(idxs, h_smem, w_smem, acc_ref):
                     plgpu.wgmma(acc_ref, h_smem.at[pl.ds(wg * bm, bm)], w_smem if dv else w_smem.T)
@@ -208,6 +187,41 @@ def build(
         thread_name="wg",
         **kw,
     )
+
+
+def _store_dz(z_all, coeffs, bounds, col0, shift, b_gmem, out, *, interpret: bool):
+    """The epilogue of one [bm, block_n] work item: per 64-column tile, z = acc (+ bias), u = z *
+    inv_t - lse (clamped at U_FLOOR with the entropy term), p = exp(u), dz = q * p + c2 *
+    [col == target] on lo <= col < hi (else 0), stored as bf16 by TMA through two staging slots
+    (the item's stores waited out at its end)."""
+    tgt, invt, lse, c1, c2, c3 = coeffs
+    lo, hi = bounds
+    out_smem, wg, dz_out, rows = out  # this warpgroup's staging slots and output rows
+    bm, block_n = z_all.shape
+    cast = functools.partial(interpret_utils.cast, interpret=interpret)
+    load = functools.partial(interpret_utils.load, interpret=interpret)
+    col_iota = cast(lax.broadcasted_iota(jnp.int32, (bm, TILE), 1), plgpu.Layout.WGMMA)
+    bc = lambda v: jnp.broadcast_to(v[:, None], (bm, TILE))
+    for i in range(block_n // TILE):
+        c = col0 + i * TILE
+        z = z_all[:, i * TILE : (i + 1) * TILE]
+        if b_gmem is not None:
+            b = load(b_gmem.at[pl.ds(shift(c), TILE)], common.col_layout())
+            z = z + jnp.broadcast_to(b[None, :], (bm, TILE))
+        col = col_iota + shift(c)  # the column in the targets' and bounds' frame
+        u = z * bc(invt) - bc(lse)
+        if c3 is not None:  # keep c3 * u finite where p = 0 (see U_FLOOR)
+            u = jnp.maximum(u, jnp.full((bm, TILE), U_FLOOR, F32))
+        p = jnp.exp(u)
+        q = bc(c1) + bc(c3) * u if c3 is not None else bc(c1)
+        dz = q * p + jnp.where(col == bc(tgt), bc(c2), jnp.zeros((bm, TILE), F32))
+        dz = jnp.where((col >= lo) & (col < hi), dz, jnp.zeros((bm, TILE), F32))
+        slot = i % 2
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        out_smem.at[wg, slot][...] = dz.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dz_out.at[rows, pl.ds(c, TILE)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(
@@ -247,7 +261,7 @@ def dz_chunk(hidden_p, w_c, bias_c, targets_c, inv_t, lse, c1, c2, lo, hi, **opt
     entropy term (c3 = -inv_t * g_H, h the forward's entropy; 0 on padding rows);
     weight_layout ("vd" or "dv"), interpret, interpret_params, num_ctas.
     """
-    chunk = w_c.shape[1 if common.check_weight_layout(options.get("weight_layout", "vd")) else 0]
+    chunk = as_layout(options.get("weight_layout", "vd")).vocab_rows(w_c)
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
     return _launch(hidden_p, w_c, bias_c, targets_c, (inv_t, lse, c1, c2), bounds, chunk, False, **options)
 
@@ -273,7 +287,7 @@ def _launch(
     *,
     c3=None,
     h=None,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
@@ -298,6 +312,6 @@ def _launch(
         interpret=interpret,
         interpret_params=interpret_params,
         has_entropy=c3 is not None,
-        weight_layout=weight_layout,
+        weight_layout=as_layout(weight_layout),  # (one jit entry per layout, named or typed)
         in_place=in_place,
     )

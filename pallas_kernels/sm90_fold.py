@@ -12,76 +12,63 @@ the GPU, `ptx_ops.InterpretOps` in interpret mode); the sequential order over sp
 is fixed and independent of N, the row block, the grid and every knob below.
 Rows are independent: no row's bits depend on any other row.
 
-Two layouts of the same program (`tuning.FoldConfig.staged`; the shipped
-config is `tuning.FOLD`):
+Layout (`tuning.FoldConfig`; the shipped configs are `tuning.FOLD` and, for decode calls,
+`tuning.DECODE_FOLD`): a CTA (one warpgroup) folds `rows` (8, 16, 32 or 64) rows. All of its
+partials are first brought into shared memory by TMA (chunks of `chunk` splits, one mbarrier
+per chunk, so pass 1 starts on the first chunk while the rest is in flight). The 128 threads
+are G = 128 / rows split groups x rows: thread (g, r) handles row r and splits j = g, g + G,
+g + 2G, ... (a [G, rows] register array in WG_STRIDED layout is exactly the contiguous SMEM
+block of splits k*G .. k*G+G-1, so every access is a plain contiguous view). Per row:
+  pass 1: each group takes the exact max of its splits; the G partial
+          maxima are exchanged through SMEM, so every thread of the row
+          holds M = the row's max (max is exact and, as `max.NaN.f32`,
+          order-free; see below for +-0);
+  pass 2: each group computes its terms t_j = fl(S_j * w_j) with that M
+          (independent across j) and writes them over S_j in SMEM;
+  chain:  the g = 0 thread of the row sums t_0, t_1, ..., t_{n_split-1}
+          in ascending order, S = fl(S + t_j), starting from +0; the
+          other groups run the same instructions on shifted (unused)
+          data; then the epilogue, and the g = 0 results go to global
+          memory through SMEM and a TMA store.
+So each rounded op of a row is the same op on the same operands, in the same order, as in
+the spec: only where the independent work runs moved. The partial-max exchange computes max
+over the same set of values in a rotated order per thread; on the GPU `max.NaN.f32` gives the
+same bits in any order (canonical NaN, +0 > -0). Where a different order could pick a
+different zero sign (interpret mode), M = +-0 cannot change an output bit: m_j == M ignores
+the sign, fl(m_j - M) for m_j != M differs only between +-0 (FTZ of a negative subnormal
+m_j) and pexp(+-0) = 1 either way, and fl(+-0 + plog(S)) is the same because plog never
+returns -0. The split count needs no padding: a step past the last split masks the missing
+groups with -inf in pass 1 (max(x, -inf) == x) and its terms land in SMEM rows the chain of
+a g = 0 thread never reads. Work per thread drops from n_split to n_split / G splits, and
+every load in the compute loops hits SMEM. (One row per thread with the partials streamed
+would leave each SM sub-partition one warp issuing all n_split exp programs of its 32 rows;
+splitting a row's splits over G threads divides that by G.) Rows are padded to a multiple of
+`rows` (fold_transposed; bit-neutral, rows are independent). Threads with g > 0 also run the
+epilogue, on unfilled rows of the per-row input buffers; their results are never stored. All
+partials of a CTA's rows must fit in SMEM (`staged_fits`; every split plan of the contract,
+at most 264 splits, fits at rows <= 32 with the entropy and the split captures).
 
-* staged=True (default): a CTA (one warpgroup) folds `rows` (8, 16, 32 or 64) rows.
-  All of its partials are first brought into shared memory by TMA (chunks
-  of `chunk` splits, one mbarrier per chunk, so pass 1 starts on the first
-  chunk while the rest is in flight). The 128 threads are G = 128 / rows
-  split groups x rows: thread (g, r) handles row r and splits j = g, g + G,
-  g + 2G, ... (a [G, rows] register array in WG_STRIDED layout is exactly
-  the contiguous SMEM block of splits k*G .. k*G+G-1, so every access is a
-  plain contiguous view). Per row:
-    pass 1: each group takes the exact max of its splits; the G partial
-            maxima are exchanged through SMEM, so every thread of the row
-            holds M = the row's max (max is exact and, as `max.NaN.f32`,
-            order-free; see below for +-0);
-    pass 2: each group computes its terms t_j = fl(S_j * w_j) with that M
-            (independent across j) and writes them over S_j in SMEM;
-    chain:  the g = 0 thread of the row sums t_0, t_1, ..., t_{n_split-1}
-            in ascending order, S = fl(S + t_j), starting from +0; the
-            other groups run the same instructions on shifted (unused)
-            data; then the epilogue, and the g = 0 results go to global
-            memory through SMEM and a TMA store.
-  So each rounded op of a row is the same op on the same operands, in the
-  same order, as in the spec: only where the independent work runs moved.
-  The partial-max exchange computes max over the same set of values in a
-  rotated order per thread; on the GPU `max.NaN.f32` gives the same bits in
-  any order (canonical NaN, +0 > -0). Where a different order could pick a
-  different zero sign (interpret mode), M = +-0 cannot change an output bit:
-  m_j == M ignores the sign, fl(m_j - M) for m_j != M differs only between
-  +-0 (FTZ of a negative subnormal m_j) and pexp(+-0) = 1 either way, and
-  fl(+-0 + plog(S)) is the same because plog never returns -0.
-  The split count needs no padding: a step past the last split masks the
-  missing groups with -inf in pass 1 (max(x, -inf) == x) and its terms land
-  in SMEM rows the chain of a g = 0 thread never reads.
-  Work per thread drops from n_split to n_split / G splits, and every load
-  in the compute loops hits SMEM, not global memory. (Why not one row per
-  thread with the partials streamed through SMEM: that leaves each SM
-  sub-partition one warp issuing all n_split exp programs of its 32 rows,
-  ~45 instructions each, ~12k issue cycles at n_split = 264 wherever the
-  data sits; splitting a row's splits over G threads divides that by G.)
-  Rows are padded to a multiple of `rows` (fold_transposed; bit-neutral,
-  rows are independent). Threads with g > 0 also run the epilogue, on
-  unfilled rows of the per-row input buffers; their results are never
-  stored. All partials of a CTA's rows must fit in SMEM (`staged_fits`,
-  n_split <= 764 at rows = 32, 382 at 64); beyond that fold_transposed uses
-  staged=False.
-  Code: on the GPU each block of steps (a chunk of pass 1 or pass 2, a
-  trip of the chain) is ONE `inline_mgpu` op on the SMEM view, emitting
-  the same loads and instructions the Pallas ops would (`_SmemBlocks`);
-  interpret mode runs the same steps as Pallas ops (`_InterpretBlocks`).
-  The body is `fold_row_block(plan, ins, outs, scratch, r0)` (one warpgroup, one row block,
-  the scratch of `plan.scratch_types()`), so another kernel can run it too.
-* staged=False: the previous layout, one row per thread (FOLD_ROWS = 128
-  rows per CTA), both passes loading m_j / s_j straight from global memory,
-  `unroll` splits per loop trip. Kept for timing comparisons; same bits.
+Code: on the GPU each block of steps (a chunk of pass 1 or pass 2, a trip of the chain) is ONE
+`inline_mgpu` op on the SMEM view, emitting the same loads and instructions the Pallas ops
+would (`_SmemBlocks`); interpret mode runs the same steps as Pallas ops (`_InterpretBlocks`).
+The body is `fold_row_block(plan, ins, outs, scratch, r0)` (one warpgroup, one row block, the
+scratch of `plan.scratch_types()`), in phases: `_issue_copies`, `_row_max`, `_row_inputs`,
+`_terms`, `_chain`, `_zt_or`, `_store`.
 
-The entropy (`fold(..., a=A)`, `build(entropy=True)`; `linear-logp-entropy-v1`):
-both layouts also take the statistic A [N, n_split]; pass 2 forms each split's
-rescaled term resc(A_j, S_j, m_j, M, w_j) from the S_j it read (staged: written
-over A_j in a third SMEM array, so fewer splits fit: `staged_fits(..., entropy=True)`),
-the chain adds A = fl(A + term_j) in the same ascending steps as S, and the
-epilogue forms h = fl(plog(S) - fl(A * rcp(S))) (plog shared with the lse, rcp one
-`div.rn.ftz.f32`), +0 where h < 0. Without A the kernels are exactly the ones
-built before the statistic existed (benchmarks/mosaic_ir_hashes.py).
+The entropy (`fold(..., a=A)`, `build(entropy=True)`; `linear-logp-entropy-v1`): the kernel
+also takes the statistic A [N, n_split]; pass 2 forms each split's rescaled term
+resc(A_j, S_j, m_j, M, w_j) from the S_j it read (written over A_j in a third SMEM array, so
+fewer splits fit: `staged_fits(..., entropy=True)`), the chain adds A = fl(A + term_j) in the
+same ascending steps as S, and the epilogue forms h = fl(plog(S) - fl(A * rcp(S))) (plog
+shared with the lse, rcp one `div.rn.ftz.f32`), +0 where h < 0. Without A the kernels are
+exactly the kernels without it (benchmarks/mosaic_ir_hashes.py keeps both apart).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,19 +80,17 @@ from detlogp_jax import contract as C
 from pallas_kernels import common, interpret_utils, ptx_ops, tile_math, tuning
 
 F32 = jnp.float32
-FOLD_ROWS = 128  # rows per CTA of staged=False; a row padding that suits every variant (bit-neutral)
-UNROLL = 8  # staged=False: default splits per loop trip of both passes (bit-neutral)
-CHAIN_UNROLL = 32  # staged=True: default splits per loop trip of the chain (bit-neutral)
-SMEM_LIMIT = 200 * 1024  # staged=True keeps all partials of its rows in SMEM; above this, use staged=False
+CHAIN_UNROLL = 32  # default splits per loop trip of the chain (bit-neutral)
+SMEM_LIMIT = 200 * 1024  # all partials of a CTA's rows live in SMEM
 
 
 def row_block(cfg: tuning.FoldConfig = tuning.FOLD) -> int:
-    """Rows per CTA of a variant (n_pad must be a multiple of it)."""
-    return cfg.rows if cfg.staged else FOLD_ROWS
+    """Rows per CTA (n_pad must be a multiple of it)."""
+    return cfg.rows
 
 
 def staged_fits(n_split: int, rows: int = tuning.FOLD.rows, entropy: bool = False, zt_splits: bool = False) -> bool:
-    """Whether staged=True can hold n_split splits of `rows` rows in SMEM (m and S, with
+    """Whether the fold can hold n_split splits of `rows` rows in SMEM (m and S, with
     `entropy` the statistic A too, and with `zt_splits` the target captures)."""
     g = 128 // rows
     k = -(-n_split // g)
@@ -115,7 +100,7 @@ def staged_fits(n_split: int, rows: int = tuning.FOLD.rows, entropy: bool = Fals
 def zt_from_splits(ztT):
     """z_t [N] from the split-major target captures [n_split, N]: the bitwise OR of each
     row's captures (at most one is not +0: the owning split's; +0 where none is), the
-    same bytes as selecting the owner's capture (`wrapper._launch`). (One exception that no
+    same bytes as selecting the owner's capture (`wrapper._owner_z_t`). (One exception that no
     output shows: a target at or past the weight's rows but inside the padded vocabulary is
     captured from TMA's zero rows, +-0, where the select gives +0; its logp is NaN either way
     and lse never reads z_t.)"""
@@ -138,28 +123,28 @@ def build(
 ):
     """Kernel (mT [n_split, n_pad], sT, z_t [n_pad], targets [n_pad] i32, inv_t [n_pad]) -> (logp, lse).
 
-    zt_splits (static, staged only): the kernel takes the forward kernel's split-major
-    target captures ztT [n_split, n_pad] in place of z_t and forms each row's z_t itself
-    (`zt_from_splits`): no split but the one owning the row's target ever writes a capture
-    other than +0 (`sm90_forward_ws` / `sm90_forward_wgmma`: the capture starts at +0 and
-    only the tile holding the target replaces it), so z_t is the bitwise OR of the row's
-    n_split captures, exact and order-free (+0 where no split owns the target, as the
-    wrapper's select gives). Data movement only: the same z_t bytes reach the same
-    epilogue. False builds exactly the kernel without it.
+    zt_splits (static): the kernel takes the forward kernel's split-major target captures
+    ztT [n_split, n_pad] in place of z_t and forms each row's z_t itself (`zt_from_splits`):
+    no split but the one owning the row's target ever writes a capture other than +0
+    (`sm90_forward_ws` / `sm90_forward_wgmma`: the capture starts at +0 and only the tile
+    holding the target replaces it), so z_t is the bitwise OR of the row's n_split captures,
+    exact and order-free (+0 where no split owns the target, as the wrapper's select gives).
+    Data movement only: the same z_t bytes reach the same epilogue. False builds exactly the
+    kernel without it.
 
-    n_out (static, staged only): the real rows, at most n_pad: targets / inv_t have n_out
-    entries and the outputs are [n_out]; the grid covers ceil(n_out / rows) row blocks of the
-    [n_split, n_pad] partials. Rows past n_out read targets / inv_t as 0 (TMA's fill) and
-    their results are not stored (TMA clips the store); every row's fold is its own, so the
-    bytes of the real rows are the same. `fold_transposed` passes it for a multiple of 8 rows
-    only (1 or 3 rows read wrong on the H200). None: n_out = n_pad, exactly the kernel without it.
+    n_out (static): the real rows, at most n_pad: targets / inv_t have n_out entries and the
+    outputs are [n_out]; the grid covers ceil(n_out / rows) row blocks of the [n_split, n_pad]
+    partials. Rows past n_out read targets / inv_t as 0 (TMA's fill) and their results are not
+    stored (TMA clips the store); every row's fold is its own, so the bytes of the real rows are
+    the same. `fold_transposed` passes it for a multiple of 8 rows only (1 or 3 rows read wrong
+    by TMA on the H200). None: n_out = n_pad, exactly the kernel without it.
 
-    scalar_rows (static, staged with zt_splits and n_out only; False builds exactly the kernel
-    without it): the row inputs and outputs move without TMA, for any n_out: each row's target
-    and inv_t by a scalar load (`common.gather_rows`, indices clamped inside the
-    [n_out] arrays; rows past n_out get IGNORE_INDEX and 1.0, the padded arrays' values), each
-    real row's logp / lse (/ entropy) by a scalar store from the SMEM row the TMA store would
-    have read. Data movement only: the same values reach the same epilogue.
+    scalar_rows (static, with zt_splits and n_out only; False builds exactly the kernel without
+    it): the row inputs and outputs move without TMA, for any n_out: each row's target and inv_t
+    by a scalar load (`common.gather_rows`, indices clamped inside the [n_out] arrays; rows past
+    n_out get IGNORE_INDEX and 1.0, the padded arrays' values), each real row's logp / lse
+    (/ entropy) by a scalar store from the SMEM row the TMA store would have read. Data movement
+    only: the same values reach the same epilogue.
 
     entropy (static): the kernel takes the entropy statistic aT [n_split, n_pad] after
     sT and returns (logp, lse, entropy): in pass 2 each split's rescaled term
@@ -169,31 +154,17 @@ def build(
     `div.rn.ftz.f32`), +0 where h < 0 (CONTRACT.md section 9). False builds
     exactly the kernel without it.
 
-    `cfg` (no field changes a bit): `staged` picks the layout (module
-    docstring); `unroll` = splits per loop trip (staged: of the chain, default
-    CHAIN_UNROLL; not staged: of both passes, default UNROLL); `rows` = rows
-    per CTA and `chunk` = splits per TMA copy (staged only). n_pad must be a
+    `cfg` (no field changes a bit): `rows` = rows per CTA, `chunk` = splits per TMA copy,
+    `unroll` = splits per trip of the chain's loop (default CHAIN_UNROLL). n_pad must be a
     multiple of `row_block(cfg)`.
     """
     if not isinstance(cfg, tuning.FoldConfig):
         raise TypeError(f"sm90_fold needs a tuning.FoldConfig, got {type(cfg).__name__}")
     kw = interpret_utils.kernel_kwargs(interpret, interpret_params)
-    if cfg.staged:
-        plan = config_plan(
-            cfg, n_split=n_split, vocab_size=vocab_size, interpret=interpret, entropy=entropy, zt_splits=zt_splits
-        )
-        return _build_staged(plan, n_pad=n_pad, n_out=n_pad if n_out is None else n_out, kw=kw, scalar_rows=scalar_rows)
-    if zt_splits or n_out not in (None, n_pad) or scalar_rows:
-        raise ValueError("zt_splits and n_out need the staged fold (fold_transposed pads / forms z_t otherwise)")
-    return _build_rowloop(
-        n_split=n_split,
-        n_pad=n_pad,
-        vocab_size=vocab_size,
-        interpret=interpret,
-        unroll=UNROLL if cfg.unroll is None else cfg.unroll,
-        kw=kw,
-        entropy=entropy,
+    plan = config_plan(
+        cfg, n_split=n_split, vocab_size=vocab_size, interpret=interpret, entropy=entropy, zt_splits=zt_splits
     )
+    return _build_staged(plan, n_pad=n_pad, n_out=n_pad if n_out is None else n_out, kw=kw, scalar_rows=scalar_rows)
 
 
 def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size, acc_a=None):
@@ -219,7 +190,7 @@ def _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size, acc_a=None):
 
 @dataclasses.dataclass(frozen=True)
 class StagedPlan:
-    """The static shape of the staged fold of one row block: what `fold_row_block` runs.
+    """The static shape of the fold of one row block: what `fold_row_block` runs.
 
     rows (8, 16, 32 or 64) rows per warpgroup, G = 128 / rows split groups; `chunk` splits per TMA copy
     (raised by `staged_plan` so that one barrier array needs at most 32 barriers); `unroll`
@@ -255,7 +226,7 @@ class StagedPlan:
         return -(-self.n_split // self.g_n) * self.g_n + self.g_n
 
     def scratch_types(self) -> tuple:
-        """The SMEM buffers and barriers `fold_row_block` takes, in its `scratch` order."""
+        """The SMEM buffers and barriers `fold_row_block` takes, in its `scratch` order (`_Scratch`)."""
         ent = lambda *x: x if self.entropy else ()  # the entropy's scratch, only with it
         sm, br, shape, n_chunks = self.smem_rows, self.rows, self.shape, self.n_chunks
         scratch = (
@@ -278,28 +249,9 @@ class StagedPlan:
             scratch += (plgpu.SMEM((sm, br), F32), plgpu.Barrier(num_barriers=n_chunks))
         return scratch
 
-    def smem_types(self) -> tuple:
-        """The shared-memory buffers of `scratch_types()`, in order (for a caller that reserves the
-        barriers in another scope: `merge_scratch`)."""
-        return tuple(t for t in self.scratch_types() if not _is_barrier(t))
-
-    def barrier_types(self) -> tuple:
-        """The barriers of `scratch_types()`, in order."""
-        return tuple(t for t in self.scratch_types() if _is_barrier(t))
-
-    def merge_scratch(self, smem, barriers) -> tuple:
-        """The refs of `smem_types()` and `barrier_types()` interleaved back into `scratch_types()`'s
-        order, as `fold_row_block` takes them."""
-        smem, barriers = iter(smem), iter(barriers)
-        return tuple(next(barriers) if _is_barrier(t) else next(smem) for t in self.scratch_types())
-
-
-def _is_barrier(scratch_type) -> bool:
-    return isinstance(scratch_type, type(plgpu.Barrier(num_arrivals=1)))
-
 
 def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=False, zt_splits=False) -> StagedPlan:
-    """The plan `_build_staged` launches. Refuses what `tuning.FoldConfig` refuses (rows 8, 16, 32 or 64,
+    """The plan `build` launches. Refuses what `tuning.FoldConfig` refuses (rows 8, 16, 32 or 64,
     chunk a multiple of 128 / rows in (0, 256], unroll >= 1), and (ValueError) a row block whose
     partials do not fit in SMEM."""
     tuning.FoldConfig(rows=rows, chunk=chunk, unroll=unroll)  # the config's checks (bit-neutral fields)
@@ -308,14 +260,17 @@ def staged_plan(*, n_split, vocab_size, interpret, unroll, rows, chunk, entropy=
     # barriers per array: raise chunk to the smallest that needs <= 32.
     chunk = max(chunk, -(-(-(-n_split // 32)) // g_n) * g_n)
     if not staged_fits(n_split, rows, entropy, zt_splits):
-        raise ValueError(f"staged fold: n_split={n_split} x {rows} rows does not fit in SMEM; use staged=False")
+        raise ValueError(
+            f"the fold holds a row block's partials in SMEM: n_split={n_split} x {rows} rows"
+            f"{' with the entropy' if entropy else ''} does not fit; use FoldConfig(rows=...) with fewer rows"
+        )
     return StagedPlan(n_split, rows, chunk, unroll, vocab_size, interpret, entropy, zt_splits)
 
 
 def config_plan(
     cfg: tuning.FoldConfig, *, n_split, vocab_size, interpret, entropy=False, zt_splits=False
 ) -> StagedPlan:
-    """The plan a staged `cfg` builds: its rows and chunk, its unroll (default CHAIN_UNROLL)."""
+    """The plan `cfg` builds: its rows and chunk, its unroll (default CHAIN_UNROLL)."""
     return staged_plan(
         n_split=n_split,
         vocab_size=vocab_size,
@@ -325,19 +280,6 @@ def config_plan(
         chunk=cfg.chunk,
         entropy=entropy,
         zt_splits=zt_splits,
-    )
-
-
-def kernel_plan(*, n_split, vocab_size, interpret, cfg=None, entropy=False) -> StagedPlan | None:
-    """The plan of the staged fold that forms z_t from the split captures (`build(zt_splits=True)`)
-    under `cfg` (default `tuning.FOLD`), for a forward kernel that folds its own partials
-    (`sm90_forward_ws.build(fold=)`); None where that fold is not staged (cfg.staged False, or
-    the partials of a row block do not fit in shared memory)."""
-    cfg = config(cfg)
-    if not (cfg.staged and staged_fits(n_split, cfg.rows, entropy, True)):
-        return None
-    return config_plan(
-        cfg, n_split=n_split, vocab_size=vocab_size, interpret=interpret, entropy=entropy, zt_splits=True
     )
 
 
@@ -368,218 +310,284 @@ def _build_staged(plan: StagedPlan, *, n_pad, n_out, kw, scalar_rows=False):
     )
 
 
+class _Scratch(NamedTuple):
+    """`StagedPlan.scratch_types()` as refs (the entropy's and the captures' None without them)."""
+
+    m_s: object
+    s_s: object
+    a_s: object
+    x2: object  # the partial max (and capture OR) exchange
+    z_in: object
+    t_in: object
+    i_in: object
+    o_l: object
+    o_s: object
+    o_h: object
+    bar_m: object
+    bar_s: object
+    bar_a: object
+    bar_in: object
+    zt_s: object
+    bar_z: object
+
+    @classmethod
+    def of(cls, plan: StagedPlan, scratch) -> "_Scratch":
+        scratch = tuple(scratch)
+        zt_s = bar_z = None
+        if plan.zt_splits:  # the captures' SMEM copy and its barriers come last
+            scratch, (zt_s, bar_z) = scratch[:-2], scratch[-2:]
+        if plan.entropy:
+            (m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in) = scratch
+        else:
+            (m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in) = scratch
+            a_s = o_h = bar_a = None
+        return cls(m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in, zt_s, bar_z)
+
+
+class _Lanes(NamedTuple):
+    """How this warpgroup's [G, rows] arrays are read and formed (per plan and mode)."""
+
+    layout: object  # WG_STRIDED over [G, rows]
+    blk: object  # `_SmemBlocks` (GPU) or `_InterpretBlocks`
+    load: object
+    cast: object
+
+
+def _sync():
+    # Every thread's SMEM stores visible to every thread of the warpgroup. (The kernel runs
+    # with unsafe_no_auto_barriers, so that SMEM stores do not each cost two warpgroup barriers.)
+    plgpu.commit_smem()
+
+
 def fold_row_block(plan: StagedPlan, ins, outs, scratch, r0, scalar_rows: int | None = None):
-    """The staged fold of rows [r0, r0 + plan.rows) by one warpgroup (module docstring).
+    """The fold of rows [r0, r0 + plan.rows) by one warpgroup (module docstring).
 
     ins: GMEM refs (mT, sT, aT or None, z_t or ztT (with `plan.zt_splits`), targets, inv_t),
     the partials split-major [n_split, >= r0 + rows]; outs: GMEM refs (logp, lse, entropy or
     None), [>= r0 + rows] (TMA clips a store past them); scratch: refs of
     `plan.scratch_types()`, in order. Every rounded op of a row is the contract's fold
-    (`detlogp_jax.oracle.fold`) on the same operands in the same order, whatever r0 and
-    whichever kernel calls it; rows are independent. Issues its own TMA copies and awaits them,
-    and ends with its stores complete (`wait_smem_to_gmem(0)`). scalar_rows = N (with
-    `plan.zt_splits`): targets / inv_t / the outputs are [N] arrays moved by scalar loads and
-    stores (`build(scalar_rows=True)`); r0 may then be a Python int."""
-    n_split, br, g_n, chunk, unroll = plan.n_split, plan.rows, plan.g_n, plan.chunk, plan.unroll
-    n_chunks, n_full, shape = plan.n_chunks, plan.n_full, plan.shape
-    vocab_size, interpret, entropy, zt_splits = plan.vocab_size, plan.interpret, plan.entropy, plan.zt_splits
-    layout = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
-    blk = _InterpretBlocks(g_n) if interpret else _SmemBlocks(layout, shape)
-    load, cast = interpret_utils.load_and_cast(layout, interpret)
-
-    def sync():
-        # Every thread's SMEM stores visible to every thread of the warpgroup.
-        # (The kernel runs with unsafe_no_auto_barriers, so that SMEM stores do
-        # not each cost two warpgroup barriers.)
-        plgpu.commit_smem()
-
-    (m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref), (logp_ref, lse_ref, h_ref) = ins, outs
-    a_s = o_h = bar_a = zt_s = bar_z = None
-    if zt_splits:  # the captures' SMEM copy and its barriers come last
-        scratch, (zt_s, bar_z) = scratch[:-2], scratch[-2:]
-    if entropy:
-        (m_s, s_s, a_s, x2, z_in, t_in, i_in, o_l, o_s, o_h, bar_m, bar_s, bar_a, bar_in) = scratch
-    else:
-        (m_s, s_s, x2, z_in, t_in, i_in, o_l, o_s, bar_m, bar_s, bar_in) = scratch
-    cols = pl.ds(r0, br)
-    if scalar_rows is not None and not zt_splits:
+    (`detlogp_jax.oracle.fold`) on the same operands in the same order, whatever r0; rows are
+    independent. Issues its own TMA copies and awaits them, and ends with its stores complete
+    (`wait_smem_to_gmem(0)`). scalar_rows = N (with `plan.zt_splits`): targets / inv_t / the
+    outputs are [N] arrays moved by scalar loads and stores (`build(scalar_rows=True)`); r0
+    may then be a Python int."""
+    layout = plgpu.Layout.WG_STRIDED(plan.shape, vec_size=1)
+    blk = _InterpretBlocks(plan.g_n) if plan.interpret else _SmemBlocks(layout, plan.shape)
+    lanes = _Lanes(layout, blk, *interpret_utils.load_and_cast(layout, plan.interpret))
+    sc = _Scratch.of(plan, scratch)
+    cols = pl.ds(r0, plan.rows)
+    if scalar_rows is not None and not plan.zt_splits:
         raise ValueError("scalar_rows needs plan.zt_splits")
+    _issue_copies(plan, ins, sc, cols, scalar_rows)
+    big_m = _row_max(plan, sc, lanes)
+    invt, tgt = _row_inputs(plan, ins, sc, lanes, r0, scalar_rows)
+    ops = ptx_ops.make_ops(plan.interpret, lambda shape: layout, source=invt if plan.interpret else None)
+    _terms(plan, sc, lanes, big_m, ops)
+    acc = _chain(plan, sc, lanes, ops)
+    zt = _zt_or(plan, sc, lanes) if plan.zt_splits else lanes.load(sc.z_in)
+    tgt = lanes.load(sc.t_in) if tgt is None else tgt
+    if plan.entropy:
+        results = _epilogue(acc[0], big_m, zt, tgt, invt, ops, plan.vocab_size, acc_a=acc[1])
+    else:
+        results = _epilogue(acc, big_m, zt, tgt, invt, ops, plan.vocab_size)
+    _store(plan, outs, sc, results, r0, cols, scalar_rows)
 
-    def chunk_splits(c):
-        return pl.ds(c * chunk, min(chunk, n_split - c * chunk))
 
-    # All copies are issued up front: row inputs (tiny), all of m, all of s.
-    row_inputs = (
-        ((tgt_ref, t_in), (invt_ref, i_in)) if zt_splits else ((zt_ref, z_in), (tgt_ref, t_in), (invt_ref, i_in))
-    )
+def _chunk_splits(plan: StagedPlan, c):
+    return pl.ds(c * plan.chunk, min(plan.chunk, plan.n_split - c * plan.chunk))
+
+
+def _issue_copies(plan: StagedPlan, ins, sc: _Scratch, cols, scalar_rows):
+    """All copies, issued up front: the row inputs (tiny; none with scalar_rows), all of m, all
+    of S (all of A, all of the captures)."""
+    m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref = ins
+    if plan.zt_splits:
+        row_inputs = ((tgt_ref, sc.t_in), (invt_ref, sc.i_in))
+    else:
+        row_inputs = ((zt_ref, sc.z_in), (tgt_ref, sc.t_in), (invt_ref, sc.i_in))
     if scalar_rows is not None:
         row_inputs = ()
     for src, dst in row_inputs:
-        plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], bar_in)
-    for c in range(n_chunks):
-        plgpu.copy_gmem_to_smem(m_ref.at[chunk_splits(c), cols], m_s.at[chunk_splits(c)], bar_m.at[c])
-    for c in range(n_chunks):
-        plgpu.copy_gmem_to_smem(s_ref.at[chunk_splits(c), cols], s_s.at[chunk_splits(c)], bar_s.at[c])
-    if entropy:
-        for c in range(n_chunks):
-            plgpu.copy_gmem_to_smem(a_ref.at[chunk_splits(c), cols], a_s.at[chunk_splits(c)], bar_a.at[c])
-    if zt_splits:
-        for c in range(n_chunks):
-            plgpu.copy_gmem_to_smem(zt_ref.at[chunk_splits(c), cols], zt_s.at[chunk_splits(c)], bar_z.at[c])
+        plgpu.copy_gmem_to_smem(src.at[cols], dst.at[0], sc.bar_in)
+    streams = [(m_ref, sc.m_s, sc.bar_m), (s_ref, sc.s_s, sc.bar_s)]
+    if plan.entropy:
+        streams.append((a_ref, sc.a_s, sc.bar_a))
+    if plan.zt_splits:
+        streams.append((zt_ref, sc.zt_s, sc.bar_z))
+    for src, dst, bars in streams:
+        for c in range(plan.n_chunks):
+            splits = _chunk_splits(plan, c)
+            plgpu.copy_gmem_to_smem(src.at[splits, cols], dst.at[splits], bars.at[c])
 
-    def over_chunks(bars, full_steps, last_step, carry):
-        """Steps of G splits in ascending order, chunk by chunk (each after its
-        copy landed; `bars`: one barrier array or a tuple of them, all awaited):
-        full_steps(j0, count, carry) runs `count` full steps from
-        split j0; last_step(j0, n_valid, carry) the final step if it is partial."""
-        bars = bars if isinstance(bars, tuple) else (bars,)
 
-        def chunk_body(c, carry):
-            for b in bars:
-                plgpu.barrier_wait(b.at[c])
-            return full_steps(c * chunk, chunk // g_n, carry)
+def _over_chunks(plan: StagedPlan, bars, full_steps, last_step, carry):
+    """Steps of G splits in ascending order, chunk by chunk (each after its copy landed;
+    `bars`: one barrier array or a tuple of them, all awaited): full_steps(j0, count, carry)
+    runs `count` full steps from split j0; last_step(j0, n_valid, carry) the final step if it
+    is partial."""
+    bars = bars if isinstance(bars, tuple) else (bars,)
+    chunk, g_n, n_full, n_split = plan.chunk, plan.g_n, plan.n_full, plan.n_split
 
-        if n_full:
-            carry = lax.fori_loop(0, n_full, chunk_body, carry)
-        if n_chunks > n_full:
-            for b in bars:
-                plgpu.barrier_wait(b.at[n_full])
-            j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
-            if count:
-                carry = full_steps(j0, count, carry)
-            if n_split % g_n:
-                carry = last_step(j0 + count * g_n, n_split % g_n, carry)
-        return carry
+    def chunk_body(c, carry):
+        for b in bars:
+            plgpu.barrier_wait(b.at[c])
+        return full_steps(c * chunk, chunk // g_n, carry)
 
-    def zt_or(zt_s, bar_z):
-        """The row's z_t: the OR of its captures' bits (`zt_from_splits`), each group over
-        its splits j = g, g + G, ... (a loop of [G, rows] views), then across the G groups
-        through x2 (free again: every thread passed the syncs after the max exchange)."""
-        for c in range(n_chunks):
-            plgpu.barrier_wait(bar_z.at[c])
-        bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
-        n_whole = n_split // g_n
+    if n_full:
+        carry = lax.fori_loop(0, n_full, chunk_body, carry)
+    if plan.n_chunks > n_full:
+        for b in bars:
+            plgpu.barrier_wait(b.at[n_full])
+        j0, count = n_full * chunk, (n_split - n_full * chunk) // g_n
+        if count:
+            carry = full_steps(j0, count, carry)
+        if n_split % g_n:
+            carry = last_step(j0 + count * g_n, n_split % g_n, carry)
+    return carry
 
-        def step(u, acc):
-            return acc | bits(load(zt_s.at[pl.ds(u * g_n, g_n)]))
 
-        acc = lax.fori_loop(0, n_whole, step, cast(jnp.zeros(shape, jnp.int32)))
-        if n_split % g_n:  # the partial last step: groups past n_split hold no capture
-            group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
-            last = bits(load(zt_s.at[pl.ds(n_whole * g_n, g_n)]))
-            acc = acc | jnp.where(group < n_split % g_n, last, jnp.int32(0))
-        as_f32 = lax.bitcast_convert_type(acc, F32)
-        x2.at[pl.ds(0, g_n)][...] = as_f32
-        x2.at[pl.ds(g_n, g_n)][...] = as_f32
-        sync()
-        for d in range(1, g_n):
-            acc = acc | bits(load(x2.at[pl.ds(d, g_n)]))
-        return lax.bitcast_convert_type(acc, F32)
+def _row_max(plan: StagedPlan, sc: _Scratch, lanes: _Lanes):
+    """Pass 1: per group the exact max over its splits (from -inf, which max(x, -inf) == x leaves
+    out; splits past n_split masked to -inf), then the G partial maxima exchanged through x2 =
+    [pm; pm] (rows d .. d+G-1 hold, for thread (g, r), the partial max of group (g + d) mod G of
+    row r): M in every thread of the row."""
+    g_n, shape, cast, load = plan.g_n, plan.shape, lanes.cast, lanes.load
 
-    # Pass 1: per group, the exact max over its splits (from -inf, which
-    # max(x, -inf) == x leaves out); splits past n_split are masked to -inf.
     def max_last(j0, n_valid, pm):
         group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
-        x = jnp.where(group < n_valid, load(m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
+        x = jnp.where(group < n_valid, load(sc.m_s.at[pl.ds(j0, g_n)]), jnp.asarray(-jnp.inf, F32))
         return jnp.maximum(pm, x)
 
-    pm = over_chunks(
-        bar_m,
-        lambda j0, k, pm: blk.max(m_s.at[pl.ds(j0, k * g_n)], k, pm),
+    pm = _over_chunks(
+        plan,
+        sc.bar_m,
+        lambda j0, k, pm: lanes.blk.max(sc.m_s.at[pl.ds(j0, k * g_n)], k, pm),
         max_last,
         cast(jnp.full(shape, -jnp.inf, F32)),
     )
-    # Exchange: x2 = [pm; pm], so rows d .. d+G-1 of x2 hold, for thread
-    # (g, r), the partial max of group (g + d) mod G of row r.
-    x2.at[pl.ds(0, g_n)][...] = pm
-    x2.at[pl.ds(g_n, g_n)][...] = pm
-    sync()
+    sc.x2.at[pl.ds(0, g_n)][...] = pm
+    sc.x2.at[pl.ds(g_n, g_n)][...] = pm
+    _sync()
     big_m = pm
     for d in range(1, g_n):
-        big_m = jnp.maximum(big_m, load(x2.at[pl.ds(d, g_n)]))
+        big_m = jnp.maximum(big_m, load(sc.x2.at[pl.ds(d, g_n)]))
+    return big_m
 
+
+def _row_inputs(plan: StagedPlan, ins, sc: _Scratch, lanes: _Lanes, r0, scalar_rows):
+    """(inv_t, targets or None) of the rows: from their SMEM copies (the targets are read after
+    the chain), or with scalar_rows by scalar loads (`common.gather_rows`)."""
     if scalar_rows is None:
-        plgpu.barrier_wait(bar_in)
-        invt, tgt = load(i_in), None
-    else:
+        plgpu.barrier_wait(sc.bar_in)
+        return lanes.load(sc.i_in), None
+    tgt_ref, invt_ref = ins[4], ins[5]
 
-        def gather(ref, fill):
-            return common.gather_rows(ref, r0, scalar_rows, br, fill, layout, interpret, shape=shape, axis=1)
+    def gather(ref, fill):
+        return common.gather_rows(
+            ref, r0, scalar_rows, plan.rows, fill, lanes.layout, plan.interpret, shape=plan.shape, axis=1
+        )
 
-        invt, tgt = gather(invt_ref, 1.0), gather(tgt_ref, C.IGNORE_INDEX)
-    ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=invt if interpret else None)
+    invt = gather(invt_ref, 1.0)
+    return invt, gather(tgt_ref, C.IGNORE_INDEX)
 
-    # Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread
-    # rewrites only what it read). A partial last step computes garbage in
-    # the missing groups, into SMEM rows past n_split that no chain of a
-    # g = 0 thread reads.
+
+def _terms(plan: StagedPlan, sc: _Scratch, lanes: _Lanes, big_m, ops):
+    """Pass 2: the terms t_j = fl(S_j * w_j), written over S_j (each thread rewrites only what it
+    read), and with the entropy the A terms resc(A_j, S_j, m_j, M, w_j) (from S_j before its term
+    overwrites it) over A_j. A partial last step computes garbage in the missing groups, into
+    SMEM rows past n_split that no chain of a g = 0 thread reads."""
+    g_n, blk = plan.g_n, lanes.blk
+
     def terms(j0, count, carry):
         sl = pl.ds(j0, count * g_n)
-        blk.terms(m_s.at[sl], s_s.at[sl], count, big_m, ops)
+        if plan.entropy:
+            blk.terms_entropy(sc.m_s.at[sl], sc.s_s.at[sl], sc.a_s.at[sl], count, big_m, ops)
+        else:
+            blk.terms(sc.m_s.at[sl], sc.s_s.at[sl], count, big_m, ops)
         return carry
 
-    if entropy:
-        # With the statistic: the A terms resc(A_j, S_j, m_j, M, w_j) too (from S_j before
-        # its term overwrites it), written over A_j.
-        def terms(j0, count, carry):  # noqa: F811
-            sl = pl.ds(j0, count * g_n)
-            blk.terms_entropy(m_s.at[sl], s_s.at[sl], a_s.at[sl], count, big_m, ops)
-            return carry
+    bars = (sc.bar_s, sc.bar_a) if plan.entropy else sc.bar_s
+    _over_chunks(plan, bars, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
+    _sync()
 
-        over_chunks((bar_s, bar_a), terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
-    else:
-        over_chunks(bar_s, terms, lambda j0, n_valid, carry: terms(j0, 1, carry), jnp.int32(0))
-    sync()
 
-    # The chain: thread (0, r) reads t_j of row r at step j, ascending j.
+def _chain(plan: StagedPlan, sc: _Scratch, lanes: _Lanes, ops):
+    """The chain: thread (0, r) reads t_j of row r at step j, ascending j, S = fl(S + t_j) from
+    +0 (with the entropy both sums in the same loop: (S, A)), `unroll` splits per loop trip."""
+    g_n, unroll, n_split, blk = plan.g_n, plan.unroll, plan.n_split, lanes.blk
+
     def add_splits(j0, count, acc):
-        return blk.chain(s_s.at[pl.ds(j0, count + g_n - 1)], count, acc, ops)
-
-    if entropy:  # both sums in the same ascending loop: acc = (S, A)
-
-        def add_splits(j0, count, acc):  # noqa: F811
-            view = pl.ds(j0, count + g_n - 1)
-            return blk.chain_entropy(s_s.at[view], a_s.at[view], count, acc, ops)
+        view = pl.ds(j0, count + g_n - 1)
+        if plan.entropy:
+            return blk.chain_entropy(sc.s_s.at[view], sc.a_s.at[view], count, acc, ops)
+        return blk.chain(sc.s_s.at[view], count, acc, ops)
 
     n_trips = n_split // unroll
-    acc = cast(jnp.zeros(shape, F32))
-    if entropy:
-        acc = (acc, cast(jnp.zeros(shape, F32)))
+    acc = lanes.cast(jnp.zeros(plan.shape, F32))
+    if plan.entropy:
+        acc = (acc, lanes.cast(jnp.zeros(plan.shape, F32)))
     if n_trips:
         acc = lax.fori_loop(0, n_trips, lambda i, a: add_splits(i * unroll, unroll, a), acc)
     if n_split - n_trips * unroll:
         acc = add_splits(n_trips * unroll, n_split - n_trips * unroll, acc)
+    return acc
 
-    zt = zt_or(zt_s, bar_z) if zt_splits else load(z_in)
-    tgt = load(t_in) if tgt is None else tgt
-    if entropy:
-        logp, lse, h = _epilogue(acc[0], big_m, zt, tgt, invt, ops, vocab_size, acc_a=acc[1])
-    else:
-        logp, lse = _epilogue(acc, big_m, zt, tgt, invt, ops, vocab_size)
-    o_l[...] = logp
-    o_s[...] = lse
-    if entropy:
-        o_h[...] = h
-    sync()
+
+def _zt_or(plan: StagedPlan, sc: _Scratch, lanes: _Lanes):
+    """The row's z_t: the OR of its captures' bits (`zt_from_splits`), each group over its
+    splits j = g, g + G, ... (a loop of [G, rows] views), then across the G groups through x2
+    (free again: every thread passed the syncs after the max exchange)."""
+    g_n, n_split, shape, load, cast, x2 = plan.g_n, plan.n_split, plan.shape, lanes.load, lanes.cast, sc.x2
+    for c in range(plan.n_chunks):
+        plgpu.barrier_wait(sc.bar_z.at[c])
+    bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+    n_whole = n_split // g_n
+
+    def step(u, acc):
+        return acc | bits(load(sc.zt_s.at[pl.ds(u * g_n, g_n)]))
+
+    acc = lax.fori_loop(0, n_whole, step, cast(jnp.zeros(shape, jnp.int32)))
+    if n_split % g_n:  # the partial last step: groups past n_split hold no capture
+        group = cast(lax.broadcasted_iota(jnp.int32, shape, 0))
+        last = bits(load(sc.zt_s.at[pl.ds(n_whole * g_n, g_n)]))
+        acc = acc | jnp.where(group < n_split % g_n, last, jnp.int32(0))
+    as_f32 = lax.bitcast_convert_type(acc, F32)
+    x2.at[pl.ds(0, g_n)][...] = as_f32
+    x2.at[pl.ds(g_n, g_n)][...] = as_f32
+    _sync()
+    for d in range(1, g_n):
+        acc = acc | bits(load(x2.at[pl.ds(d, g_n)]))
+    return lax.bitcast_convert_type(acc, F32)
+
+
+def _store(plan: StagedPlan, outs, sc: _Scratch, results, r0, cols, scalar_rows):
+    """The g = 0 threads' results (logp, lse[, entropy]) through SMEM to global memory: by TMA
+    (clipped past the outputs), or with scalar_rows by one scalar store per real row."""
+    logp_ref, lse_ref, h_ref = outs
+    sc.o_l[...] = results[0]
+    sc.o_s[...] = results[1]
+    if plan.entropy:
+        sc.o_h[...] = results[2]
+    _sync()
     if scalar_rows is not None:
         # Row r's results are row 0, column r of the SMEM arrays (the g = 0 threads'); every
         # thread stores the same word.
-        pairs = ((o_l, logp_ref), (o_s, lse_ref)) + (((o_h, h_ref),) if entropy else ())
+        pairs = ((sc.o_l, logp_ref), (sc.o_s, lse_ref)) + (((sc.o_h, h_ref),) if plan.entropy else ())
 
         def store(r):
             for src, dst in pairs:
                 dst[r0 + r] = src[0, r]
 
-        for r in range(br):
+        for r in range(plan.rows):
             if not isinstance(r0, int):  # a traced row block: its rows past N are skipped at run time
                 pl.when(r0 + r < scalar_rows)(functools.partial(store, r))
             elif r0 + r < scalar_rows:
                 store(r)
         return
-    plgpu.copy_smem_to_gmem(o_l.at[0], logp_ref.at[cols])
-    plgpu.copy_smem_to_gmem(o_s.at[0], lse_ref.at[cols])
-    if entropy:
-        plgpu.copy_smem_to_gmem(o_h.at[0], h_ref.at[cols])
+    plgpu.copy_smem_to_gmem(sc.o_l.at[0], logp_ref.at[cols])
+    plgpu.copy_smem_to_gmem(sc.o_s.at[0], lse_ref.at[cols])
+    if plan.entropy:
+        plgpu.copy_smem_to_gmem(sc.o_h.at[0], h_ref.at[cols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -756,99 +764,6 @@ class _SmemBlocks:
         return run(s_ref, a_ref, plgpu.layout_cast(acc[0], self.layout), plgpu.layout_cast(acc[1], self.layout))
 
 
-def _build_rowloop(*, n_split, n_pad, vocab_size, interpret, unroll, kw, entropy=False):
-    br = FOLD_ROWS
-    assert n_pad % br == 0
-    layout = plgpu.Layout.WG_STRIDED((br,), vec_size=1)
-
-    load, cast = interpret_utils.load_and_cast(layout, interpret)
-
-    def kernel(*refs):
-        a_ref = h_ref = None
-        if entropy:  # the statistic A after S; the entropy after lse
-            m_ref, s_ref, a_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref, h_ref = refs
-        else:
-            m_ref, s_ref, zt_ref, tgt_ref, invt_ref, logp_ref, lse_ref = refs
-        r0 = lax.axis_index("rows") * br
-        rows = pl.ds(r0, br)
-        ops = ptx_ops.make_ops(interpret, lambda shape: layout, source=load(invt_ref.at[rows]))
-
-        # Both passes walk the splits in ascending order. They are unrolled by
-        # `unroll` splits per loop trip: the loads and exps of a trip are
-        # independent of the running value, so their latency overlaps; the
-        # running max / sum still consumes splits strictly one after another.
-        def blocks(first, body, init):
-            n_full = (n_split - first) // unroll
-            val = lax.fori_loop(0, n_full, lambda i, v: body(first + i * unroll, unroll, v), init)
-            rest = (n_split - first) - n_full * unroll
-            return body(first + n_full * unroll, rest, val) if rest else val
-
-        def max_body(j0, count, big_m):
-            ms = [load(m_ref.at[j0 + u, rows]) for u in range(count)]
-            for m_j in ms:
-                big_m = jnp.maximum(big_m, m_j)
-            return big_m
-
-        big_m = blocks(1, max_body, load(m_ref.at[0, rows]))
-
-        def sum_body(j0, count, acc):
-            terms = []
-            for u in range(count):
-                m_j = load(m_ref.at[j0 + u, rows])
-                s_j = load(s_ref.at[j0 + u, rows])
-                w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
-                terms.append(ops.mul(s_j, w))
-            for term in terms:
-                acc = ops.add(acc, term)
-            return acc
-
-        if entropy:
-            # The same steps with the A terms next to the S terms: acc = (S, A), one loop.
-            def sum_body_h(j0, count, acc):
-                acc_s, acc_a = acc
-                terms = []
-                for u in range(count):
-                    m_j = load(m_ref.at[j0 + u, rows])
-                    s_j = load(s_ref.at[j0 + u, rows])
-                    a_j = load(a_ref.at[j0 + u, rows])
-                    w = jnp.where(m_j == big_m, jnp.asarray(1.0, F32), ops.exp_diff(m_j, big_m))
-                    terms.append((ops.mul(s_j, w), tile_math.rescale_a(a_j, s_j, m_j, big_m, w, ops)))
-                for t_s, t_a in terms:
-                    acc_s = ops.add(acc_s, t_s)
-                    acc_a = ops.add(acc_a, t_a)
-                return acc_s, acc_a
-
-            zeros = cast(jnp.zeros((br,), F32))
-            acc, acc_a = blocks(0, sum_body_h, (zeros, cast(jnp.zeros((br,), F32))))
-            logp, lse, h = _epilogue(
-                acc,
-                big_m,
-                load(zt_ref.at[rows]),
-                load(tgt_ref.at[rows]),
-                load(invt_ref.at[rows]),
-                ops,
-                vocab_size,
-                acc_a=acc_a,
-            )
-            h_ref.at[rows][...] = h
-        else:
-            acc = blocks(0, sum_body, cast(jnp.zeros((br,), F32)))
-            logp, lse = _epilogue(
-                acc, big_m, load(zt_ref.at[rows]), load(tgt_ref.at[rows]), load(invt_ref.at[rows]), ops, vocab_size
-            )
-        logp_ref.at[rows][...] = logp
-        lse_ref.at[rows][...] = lse
-
-    return plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((n_pad,), F32),) * (3 if entropy else 2),
-        grid=(n_pad // br,),
-        grid_names=("rows",),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        **kw,
-    )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -900,20 +815,21 @@ def fold_transposed(
     and with the entropy statistic aT [n_split, N] (logp, lse, entropy [N]).
 
     ztT: the forward kernel's split-major target captures [n_split, N] in place of z_t
-    (pass z_t=None): the staged kernel forms z_t from them itself (`build(zt_splits=True)`;
-    no XLA select before the fold), else XLA does (`zt_from_splits`); the same bytes.
+    (pass z_t=None): the kernel forms z_t from them itself (`build(zt_splits=True)`; no XLA
+    select before the fold) where the captures fit in SMEM next to the partials, else XLA
+    does (`zt_from_splits`); the same bytes.
 
     n_rows: the real rows when the partials' last N - n_rows columns are padding rows (a
     forward kernel's padded rows): targets / inv_t then have n_rows entries and the outputs
-    are [n_rows]. On the GPU the staged kernel reads and writes exactly those when n_rows is
-    a multiple of 8 (`build(n_out=)`: no padded targets / inv_t, no output slices); otherwise
-    with ztT (the staged kernel forming z_t) for any other n_rows, and in interpret mode, the
-    kernel moves them by scalar loads and stores (`build(scalar_rows=True)`); otherwise they
-    are padded and sliced.
+    are [n_rows]. On the GPU the kernel reads and writes exactly those when n_rows is a
+    multiple of 8 (`build(n_out=)`: no padded targets / inv_t, no output slices); otherwise
+    with ztT (the kernel forming z_t) for any other n_rows, and in interpret mode, the kernel
+    moves them by scalar loads and stores (`build(scalar_rows=True)`); otherwise they are
+    padded and sliced.
 
-    `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields
-    of it to replace: unroll / staged / rows / chunk (bit-neutral; staged falls
-    back to False where it cannot fit, which with aT is at fewer splits).
+    `cfg` / `knobs`: the `tuning.FoldConfig` (default `tuning.FOLD`) and fields of it to
+    replace: rows / chunk / unroll (bit-neutral). ValueError where a row block's partials do
+    not fit in SMEM (never for a split plan of the contract at rows <= 32).
     """
     cfg = config(cfg, **knobs)
     n_split, n = mT.shape
@@ -930,19 +846,17 @@ def fold_transposed(
         raise ValueError("pass exactly one of z_t [N] and ztT [n_split, N]")
     if ztT is not None and tuple(ztT.shape) != (n_split, n):
         raise ValueError(f"the target captures must be [n_split, N] like mT, got {tuple(ztT.shape)} vs {(n_split, n)}")
-    in_kernel = ztT is not None and cfg.staged and staged_fits(n_split, cfg.rows, entropy, True)
+    in_kernel = ztT is not None and staged_fits(n_split, cfg.rows, entropy, True)
     if ztT is not None and not in_kernel:
         z_t, ztT = zt_from_splits(ztT), None
-    if cfg.staged and not staged_fits(n_split, cfg.rows, entropy, in_kernel):
-        cfg = dataclasses.replace(cfg, staged=False)
     br = row_block(cfg)
     n_pad = -(-max(n, 1) // br) * br
     pad = n_pad - n
     # The kernel reads targets / inv_t of the real rows and writes only those (GPU: TMA's fill
     # and clipped stores; the interpreter's slices are bounded, so it gets padded rows). Only for
     # a multiple of 8 rows: 1-D TMA operands of 4 or 12 bytes (1 or 3 rows) read wrong on the
-    # H200 (benchmarks/results/h200_2026-12-02d/call3_golden_packaged.log); 32 bytes were right.
-    io_rows = cfg.staged and not interpret and rows < n and pad == 0 and rows % 8 == 0
+    # H200 (docs/PERF_NOTES.md); 32 bytes were right.
+    io_rows = not interpret and rows < n and pad == 0 and rows % 8 == 0
     # Other row counts (and interpret mode, whose scalar reads stay inside the arrays): the row
     # inputs and outputs by scalar loads and stores (`build(scalar_rows=True)`), no pads, no slices.
     scalar = in_kernel and rows < n and pad == 0 and not io_rows

@@ -20,7 +20,7 @@ pipeline steps of m64nNk16 wgmmas (N: a consumer warpgroup's columns,
 interpret mode, whose accumulator cannot be stored to, adds the old value after the sum
 instead: the same arithmetic up to rounding). No split-K, no atomics, a fixed tile walk:
 two runs give identical bytes, and a row's dh does not depend on the other rows of the
-batch (H200: benchmarks/results/h200_2026-12-01f/call4_bench_recompute.log). The backward
+batch (H200: the benchmark runner's gradient probe rows; docs/PERF_NOTES.md). The backward
 is not part of the frozen contract.
 
 Layouts. "vd" (weight [V, D]): dh's B operand is W[start + k, :] (K-major rows, read as
@@ -30,8 +30,7 @@ B directly); dW_c = dz.T @ h is [chunk, D], A read through a transposed view of 
 through a transposed view of hidden's blocks.
 
 Launch geometry: `tuning.DH_GEMM` / `tuning.DW_GEMM` (`tuning.GradGemmConfig`: tile shape,
-how the two consumer warpgroups split it, pipeline depth, work order, and the 2-CTA cluster
-multicasting the shared operand, shipped on; `_config` drops it where the output does not
+pipeline depth, work order, and the 2-CTA cluster multicasting the B operand, shipped on; `_config` drops it where the output does not
 tile by the cluster's two tiles, and in interpret mode). Operands must tile exactly
 (`supported`: rows, D and the chunk multiples of a CTA tile's sides, offsets multiples of
 `START_MULTIPLE`); `detlogp_jax.grad` keeps XLA's GEMMs on weight-chunk slices otherwise.
@@ -48,10 +47,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from detlogp_jax.layout import as_layout
 from pallas_kernels import common, interpret_utils, tuning
 from pallas_kernels.common import F32, SWIZZLE, TILE_K
 
 EPI = 64  # epilogue tile: [EPI, EPI] of the output per TMA store
+# Staging boxes per consumer warpgroup for the epilogue's TMA stores: they alternate, and a tile's
+# stores are waited out before the next tile (a whole tile's worth, draining under the next K
+# walk, was no faster on the H200: docs/PERF_NOTES.md).
+OUT_SLOTS = 2
 # Chunk offsets must be multiples of this (a [V, D] weight's rows and a [D, V] one's columns are
 # read in 64-wide swizzle tiles; dW is written in [EPI, EPI] boxes): callers check it (`supported`).
 START_MULTIPLE = 64
@@ -107,21 +111,20 @@ def _build(
     traced scalar operand). accumulate: the accumulator starts from the output's old value.
     Kernel operands: (out, a, b, start [1] int32) -> out (aliased to operand 0)."""
     tm, tn = cfg.tile_m, cfg.tile_n
-    wm, wn = cfg.wg_tile  # one consumer warpgroup's accumulator
-    split_m = cfg.wg_split == "m"
+    wm, wn = cfg.wg_tile  # one consumer warpgroup's accumulator: its rows of the tile, all columns
     cm, cn = cfg.cluster_tile
-    if cfg.cluster is not None and interpret:
-        raise ValueError("the interpreter has no TMA multicast: run cluster=None in interpret mode")
+    if cfg.cluster and interpret:
+        raise ValueError("the interpreter has no TMA multicast: run cluster=False in interpret mode")
     if m % cm or n % cn or k % TILE_K:
         raise ValueError(f"sm90_grad_gemm: [{m}, {n}] x K={k} does not tile by {cm} x {cn} x {TILE_K} ({cfg})")
     k_iters = k // TILE_K
-    # The shared operand of a cluster's two tiles is multicast (each CTA loads half of each block).
-    share = {"a": ("cluster",) if cfg.cluster == "n" else None, "b": ("cluster",) if cfg.cluster == "m" else None}
+    # The B operand the cluster's two row-adjacent tiles share is multicast (each CTA loads half of each block).
+    share = {"a": None, "b": ("cluster",) if cfg.cluster else None}
     stages = min(cfg.max_concurrent_steps, k_iters)
     tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     out_bytes = jnp.dtype(out_dtype).itemsize
     boxes = (wm // EPI) * (wn // EPI)  # output boxes of one warpgroup's tile
-    slots = min(cfg.out_slots, boxes)
+    slots = min(OUT_SLOTS, boxes)
     smem = stages * (tm + tn) * TILE_K * 2 + 2 * slots * EPI * EPI * out_bytes
     if smem > tuning.SMEM_LIMIT:
         raise ValueError(
@@ -184,15 +187,12 @@ def _build(
             def _work(info):
                 # a work item is a cluster's tiles; the CTA takes its own of them
                 nt, mt = common.work_item(info.index[0], n // cn, m // cm, cfg.col_group)
-                if cfg.cluster == "m":
+                if cfg.cluster:
                     mt = mt * 2 + lax.axis_index("cluster")
-                elif cfg.cluster == "n":
-                    nt = nt * 2 + lax.axis_index("cluster")
                 m0, n0 = pl.multiple_of(mt * tm, tm), pl.multiple_of(nt * tn, tn)
-                wg_m = pl.multiple_of(wg * wm, wm) if split_m else 0  # this warpgroup's part of the tile
-                wg_n = 0 if split_m else pl.multiple_of(wg * wn, wn)
+                wg_m = pl.multiple_of(wg * wm, wm)  # this warpgroup's rows of the tile
                 o_rows = pl.ds(orow + m0 + wg_m, wm)
-                o_cols = pl.ds(ocol + n0 + wg_n, wn)
+                o_cols = pl.ds(ocol + n0 + 0, wn)  # (+ 0: the column offset of a warpgroup, all columns)
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), F32))
@@ -203,27 +203,12 @@ def _build(
                         acc = acc_ref[...]
                         if accumulate and interpret:  # the interpreter's accumulator takes no store
                             acc = out_gmem.at[o_rows, o_cols][...] + acc
-                        acc = acc.astype(out_dtype)
-                        for i in range(wm // EPI):
-                            for j in range(wn // EPI):
-                                slot = (i * (wn // EPI) + j) % slots
-                                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # its last store read it
-                                out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, slot],
-                                    out_gmem.at[o_rows, o_cols].at[pl.ds(i * EPI, EPI), pl.ds(j * EPI, EPI)],
-                                )
-                        if slots < boxes:  # else the tile's stores drain under the next tile's K walk
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        _store_tile(acc.astype(out_dtype), out_smem, wg, out_gmem.at[o_rows, o_cols], slots)
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
-                    if split_m:  # this warpgroup's rows of A, all of B
-                        a = a_smem.at[:, pl.ds(wg * wm, wm)].T if a_t else a_smem.at[pl.ds(wg * wm, wm)]
-                        b = b_smem.T if b_t else b_smem
-                    else:  # all of A, this warpgroup's columns of B
-                        a = a_smem.T if a_t else a_smem
-                        b = b_smem.at[pl.ds(wg * wn, wn)].T if b_t else b_smem.at[:, pl.ds(wg * wn, wn)]
+                    # this warpgroup's rows of A, all of B
+                    a = a_smem.at[:, pl.ds(wg * wm, wm)].T if a_t else a_smem.at[pl.ds(wg * wm, wm)]
+                    b = b_smem.T if b_t else b_smem
                     plgpu.wgmma(acc_ref, a, b)
                     plgpu.wgmma_wait(0)
                     return acc_ref
@@ -241,6 +226,23 @@ def _build(
         interpret=interpret,
         interpret_params=interpret_params,
     )
+
+
+def _store_tile(acc, out_smem, wg, out_tile, slots: int):
+    """A warpgroup's finished [wm, wn] tile (in the output dtype) to `out_tile` by TMA in [EPI, EPI]
+    boxes through `slots` staging slots, each reused once its last store has read it; a tile's
+    stores are waited out before the next tile where the slots do not hold all of its boxes."""
+    wm, wn = acc.shape
+    boxes = (wm // EPI) * (wn // EPI)
+    for i in range(wm // EPI):
+        for j in range(wn // EPI):
+            slot = (i * (wn // EPI) + j) % slots
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # its last store read it
+            out_smem.at[wg, slot][...] = acc[i * EPI : (i + 1) * EPI, j * EPI : (j + 1) * EPI]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[pl.ds(i * EPI, EPI), pl.ds(j * EPI, EPI)])
+    if slots < boxes:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 _STATIC = ("geom", "num_ctas", "cfg", "interpret", "interpret_params")
@@ -293,13 +295,12 @@ def _config(cfg, shipped: tuning.GradGemmConfig, m: int, n: int, interpret: bool
     its 2-CTA cluster where the interpreter runs (it has no TMA multicast) or the [m, n] output
     does not tile by the cluster's two tiles. Dropping the cluster changes no byte: a cluster
     changes only which CTA's TMA brings a shared block into shared memory, not the sum each
-    element's accumulator forms (H200: rows differing 0 in dh and dW, both cluster axes,
-    benchmarks/results/h200_2026-12-02/call1_probe_walk10.log)."""
+    element's accumulator forms (H200: 0 rows differing in dh and dW; docs/PERF_NOTES.md)."""
     if cfg is not None:
         return cfg
     cm, cn = shipped.cluster_tile
-    if shipped.cluster is not None and (interpret or m % cm or n % cn):
-        return dataclasses.replace(shipped, cluster=None)
+    if shipped.cluster and (interpret or m % cm or n % cn):
+        return dataclasses.replace(shipped, cluster=False)
     return shipped
 
 
@@ -309,7 +310,7 @@ def dh_accumulate(
     weight,
     start,
     *,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
@@ -318,7 +319,7 @@ def dh_accumulate(
     """dh + dz @ W[start : start + chunk] (vd; "dv": dz @ W[:, start : start + chunk].T) as a new
     FP32 [n_pad, D] array whose buffer is dh's (XLA updates it in place when dh is dead after).
     dz: [n_pad, chunk] bf16; weight: the whole weight; start: traced int32 (start + chunk <= V)."""
-    dv = common.check_weight_layout(weight_layout)
+    dv = as_layout(weight_layout).transposed
     n_pad, chunk = dz.shape
     d = dh.shape[1]
     cfg = _config(cfg, tuning.DH_GEMM, n_pad, d, interpret)
@@ -344,7 +345,7 @@ def dw_write(
     *,
     col0: int = 0,
     cols: int | None = None,
-    weight_layout: str = "vd",
+    weight_layout="vd",
     interpret: bool = False,
     interpret_params=None,
     num_ctas: int | None = None,
@@ -354,7 +355,7 @@ def dw_write(
     @ hidden_p (resp. hidden_p.T @ dz[:, ...]) in dW's dtype (FP32 accumulation, rounded once); the
     other entries keep dW's values (the buffer is dW's: written in place). dz: [n_pad, chunk] bf16,
     hidden_p: [n_pad, D] bf16; col0, cols: static (cols defaults to the rest of the chunk)."""
-    dv = common.check_weight_layout(weight_layout)
+    dv = as_layout(weight_layout).transposed
     n_pad, chunk = dz.shape
     d = hidden_p.shape[1]
     cols = chunk - col0 if cols is None else int(cols)

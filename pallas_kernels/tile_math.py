@@ -173,8 +173,8 @@ def _sliced_pass1(m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile
     (two per tile; a row reduction per slice would be sixteen, each with its shuffles).
     The column mask is skipped on full tiles (an identity there), and the column tests
     compare the slice's lane index with a scalar / a row vector relative to the tile (no
-    per-lane column index). The same bytes as per-slice maxima (H200: every bucket,
-    `h200_2026-12-01d/call1_probe_pass1_8_chunk7.log`; the per-slice version is at 14e5aad)."""
+    per-lane column index). The same bytes as per-slice maxima (H200: every bucket;
+    docs/PERF_NOTES.md)."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))

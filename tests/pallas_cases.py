@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from detlogp_jax import contract as C
@@ -49,17 +47,6 @@ def entropy_fold_problem(n, ns, v, seed):
     a[10, ns // 2] = np.nan
     a[11, :] = oracle.f_mul(s[11, :], np.float32(-1e-30))
     return m, s, a, z_t, t, inv_t
-
-
-def handoff_variant(bucket: str, handoff: str, slices: int):
-    """A ws bucket's config with the hand-off layout `handoff` (`WsForwardConfig.handoff`:
-    "slices" or "swizzled") and `slices` 8-column slices per epilogue step, named after both;
-    e.g. the eight-slice layout the shipped swizzled buckets replaced."""
-    from pallas_kernels import tuning
-
-    return dataclasses.replace(
-        tuning.BUCKETS[bucket], name=f"{bucket}_{handoff}{slices}", handoff=handoff, epilogue_slices=slices
-    )
 
 
 def split_captures(z_t, ns, seed):

@@ -262,7 +262,7 @@ import numpy as np
 from benchmarks.experiments import chain_stand_ins, gemm_ceiling, kernel_timing as kt, power_probe, probe_kernel
 from pallas_kernels import tile_math, tuning
 
-planned, clusters = [], []
+planned = []
 real_chain = tile_math.chain_tile_sliced
 
 class Recorder:
@@ -278,25 +278,20 @@ class Recorder:
             assert tile_math.chain_tile_sliced is (stand_in[0] if stand_in else real_chain), name
         kt.forward_build(cfg)
         planned.append([group, name, m, type(cfg).__name__])
-        if getattr(cfg, "cluster", 1) != 1:
-            clusters.append((group, m, cfg.cluster))
     def generic(self, *a, **kw):
         pass
     def record(self, *a, **kw):
         pass
 
 probe_kernel.Probe = Recorder
-groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,cluster,decode_ws,decode7,small7,mid12,decode15,stagger15,ceiling18,chain18,shape19,cluster19,depth19"
+groups = "decode,small,prefill,large,serving,epi,epi_large,epi_small,epi_next,ws,decode_ws,decode7,small7,mid12,ceiling18,chain18,shape19,depth19"
 probe_kernel.FLAGS(["probe_kernel", "--groups=" + groups])
 probe_kernel.main([])
 assert tile_math.chain_tile_sliced is real_chain
 assert sum(g == "chain18" for g, *_ in planned) == 4 * (2 + len(chain_stand_ins.STAND_INS))
 assert sum(g == "ceiling18" for g, *_ in planned) == 5 * 2
-assert sum(g == "shape19" for g, *_ in planned) == 3 * 3 + 2
-assert sum(g == "cluster19" for g, *_ in planned) == 5 * 7
+assert sum(g == "shape19" for g, *_ in planned) == 3 * 3
 assert sum(g == "depth19" for g, *_ in planned) == 2 * 5
-assert sorted(c for c in clusters if c[0] in ("shape19", "cluster19")) == sorted(
-    [("shape19", 512, 2), ("shape19", 2048, 2)] + [("cluster19", m, 2) for m in (384, 512, 768, 1024, 1536) for _ in range(4)])
 assert kt.CHAIN_IN_WGMMA == tuning.WgmmaForwardConfig("prefill-chain", block_m=64, num_compute_wgs=2,
                                                      max_concurrent_steps=5, split_group=4)
 print(json.dumps(planned))
@@ -398,8 +393,7 @@ def test_residuals_option_for_fwd_bwd():
 def test_entropy_cases_in_the_same_run(monkeypatch):
     """--entropy: each library backend's case is followed by its '<backend>+entropy' case (same M,
     same inputs) with the time ratio and a logp/lse bytes check, and returns the entropy; a
-    backend that does not declare the entropy (e.g. pallas_sm90 with ENTROPY_VALIDATED unset) is skipped
-    with the way to run it; baselines get no entropy case."""
+    backend that does not declare the entropy is skipped with the reason; baselines get no entropy case."""
     from detlogp_jax import backends
 
     try:
@@ -427,10 +421,10 @@ def test_entropy_cases_in_the_same_run(monkeypatch):
     assert out["entropy"].shape == (1,) and np.asarray(out["entropy"])[0] > 0
     be = backends.get("pallas_sm90")
     assert be.entropy  # validated on the H200: the runner times its entropy case directly
-    unset = type(be)(**{**be.__dict__, "available": lambda: True, "entropy": False})  # ENTROPY_VALIDATED unset
+    unset = type(be)(**{**be.__dict__, "available": lambda: True, "entropy": False})  # an entry without it
     monkeypatch.setitem(backends._LOADED, "pallas_sm90", unset)
     why = cases.unsupported_reason("pallas_sm90", jnp.zeros((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16), "vd", True)
-    assert "with_entropy" in why
+    assert "does not declare the entropy" in why
     with pytest.raises(ValueError, match="library backend"):
         cases.CaseSpec("gemm", shapes.get("tiny"), entropy=True)
 
@@ -523,7 +517,7 @@ def test_mosaic_ir_hashes_lowers_every_forward_variant_at_the_small_shape(monkey
 
 def test_mosaic_ir_hashes_fold_selector_prints_the_fold_lines(monkeypatch, capsys):
     """`python -m benchmarks.mosaic_ir_hashes fold` (the guard cited for sm90_fold's restructure):
-    exactly the four fold lines of the base and entropy sets, in their order, each a 16-hex
+    exactly the two fold lines of the base and entropy sets, in their order, each a 16-hex
     digest, all distinct; an unknown selector is refused."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from benchmarks import mosaic_ir_hashes as mh
@@ -533,9 +527,9 @@ def test_mosaic_ir_hashes_fold_selector_prints_the_fold_lines(monkeypatch, capsy
     mh.main(["fold"])
     lines = capsys.readouterr().out.splitlines()
     names = [line.split("  ", 1)[1] for line in lines]
-    assert names == ["fold staged", "fold {'staged': False}", "fold entropy staged", "fold entropy {'staged': False}"]
+    assert names == ["fold staged", "fold entropy staged"]
     digests = [line.split("  ", 1)[0] for line in lines]
-    assert len(set(digests)) == 4 and all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
+    assert len(set(digests)) == 2 and all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
     with pytest.raises(SystemExit, match="unknown"):
         mh.main(["folds"])
 

@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle, reference
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import entropy_fold_problem, handoff_variant
+from tests.pallas_cases import entropy_fold_problem
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import sm90_fold, tuning  # noqa: E402
@@ -258,19 +258,15 @@ def test_kernel_entropy_multi_tile_splits(monkeypatch, bucket, force_w1):
 @pytest.mark.slow
 def test_kernel_entropy_batch_invariance_and_knobs():
     """Probe rows alone vs inside a 130-row batch, every bucket, and bit-neutral knobs of both
-    kernels (work order, delay_release, 2 epilogue warpgroups, the swizzled hand-off): A and the
-    entropy bytes agree."""
+    kernels (work order, one consumer warpgroup): A and the entropy bytes agree."""
     n, d, v, vp = 130, 128, 328, 512
     h, w, b, t, temp, inv_t = _problem(n, d, v, v, seed=1)
     probe = np.array([0, 64, 129])
     ref = _partials(h[probe], w, b, t[probe], inv_t[probe], v, vp, bucket="decode", num_ctas=1, return_entropy=True)
     ref_h = pk.fold(*ref[:3], t[probe], inv_t[probe], v, a=ref[5], interpret=True)[2]
     variants = list(tuning.BUCKETS.values()) + [
-        dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3),
-        dataclasses.replace(
-            tuning.BUCKETS["prefill"], name="x2", split_group=2, epilogue_wgs=2, epilogue_slices=1, handoff="slices"
-        ),
-        handoff_variant("decode", "slices", 2),
+        dataclasses.replace(tuning.BUCKETS["small"], name="x1", split_group=3),
+        dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2, num_compute_wgs=1),
     ]
     for cfg in variants:
         out = _partials(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3, return_entropy=True)
@@ -318,15 +314,14 @@ _FOLD_VARIANTS = [
     pytest.param({}, id="default"),
     pytest.param({"chunk": 4}, id="staged-chunk4", marks=pytest.mark.slow),
     pytest.param({"rows": 64, "chunk": 6, "unroll": 5}, id="staged-rows64", marks=pytest.mark.slow),
-    pytest.param({"staged": False}, id="rowloop"),
+    pytest.param({"rows": 8, "chunk": 16}, id="staged-rows8"),
 ]
 
 
 @pytest.mark.parametrize("knobs", _FOLD_VARIANTS)
 @pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264])
 def test_fold_entropy_split_counts_equal_oracle(n_split, knobs):
-    """The fold kernel with A, both layouts, split counts that are not multiples of the staged
-    fold's groups / chunks, over 3 row blocks, every edge row of fold_problem: logp/lse ==
+    """The fold kernel with A, split counts that are not multiples of the fold's groups / chunks, over 3 row blocks, every edge row of fold_problem: logp/lse ==
     oracle.fold (and the fold without A), entropy == oracle.fold_entropy == reference.fold."""
     n, v = 70, 1000
     m, s, a, z_t, t, inv_t = entropy_fold_problem(n, n_split, v, seed=n_split)
@@ -340,14 +335,18 @@ def test_fold_entropy_split_counts_equal_oracle(n_split, knobs):
     assert np.all(ent[np.isfinite(ent)] >= 0) and np.isnan(ent[10]) and np.isnan(ent[1])
 
 
-def test_fold_entropy_falls_back_to_the_row_loop_where_a_does_not_fit():
-    """Three SMEM arrays fit fewer splits: at n_split = 600 (staged fits m, S but not A too) the
-    fold with A runs the row loop, with the same bytes as both layouts without A for logp/lse."""
+def test_fold_refuses_partials_that_do_not_fit_in_shared_memory():
+    """Three SMEM arrays fit fewer splits: at n_split = 600 the 32-row fold holds m, S but not A
+    too, and the fold with A says so (naming the way out: fewer rows); with 16 rows it fits and
+    gives the oracle's bytes. (Every split plan of the contract, at most 264 splits, fits.)"""
     assert sm90_fold.staged_fits(600) and not sm90_fold.staged_fits(600, entropy=True)
-    assert sm90_fold.staged_fits(264, entropy=True)
+    assert sm90_fold.staged_fits(264, entropy=True, zt_splits=True)
+    assert sm90_fold.staged_fits(600, rows=16, entropy=True)
     n, v = 16, 151936
     m, s, a, z_t, t, inv_t = entropy_fold_problem(n, 600, v, seed=6)
-    logp, lse, ent = pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True)
+    with pytest.raises(ValueError, match="does not fit.*fewer rows"):
+        pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True)
+    logp, lse, ent = pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True, rows=16)
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     _same(logp, rl, "logp")
     _same(lse, rs, "lse")
@@ -365,12 +364,12 @@ def test_fused_forward_equals_partials_and_fold(n):
     """pk.forward (the fold reads the forward's split-major partials over its padded rows, no
     re-layout) == pk.fold(*pk.partials(...)) byte for byte: logp, lse, entropy and the logits,
     with and without the statistic and the logits, bias and per-row T, a one-row decode call and
-    rows that pad to a second row block, the rowloop fold too."""
+    rows that pad to a second row block, the 8-row fold too."""
     d, v, vl, vp = 128, 328, 384, 512
     h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=5)
     tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
     kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=2)
-    for ent, lg, fold_cfg in ((True, True, None), (False, False, None), (True, False, tuning.FoldConfig(staged=False))):
+    for ent, lg, fold_cfg in ((True, True, None), (False, False, None), (True, False, tuning.FoldConfig(rows=8))):
         parts = pk.partials(h, w, b, tj, ij, return_entropy=ent, return_logits=lg, logits_cols=v if lg else None, **kw)
         want = pk.fold(*parts[:3], tj, ij, v, a=parts[5] if ent else None, interpret=True, cfg=fold_cfg)
         got = pk.forward(
@@ -399,18 +398,18 @@ def test_fused_forward_equals_partials_and_fold(n):
 @pytest.mark.parametrize(
     "n,bucket,layout",
     [(1, "decode", "vd"), (3, "decode", "dv"), (13, "decode", "vd"), (40, "decode", "vd"), (63, "decode", "vd")]
-    + [(70, "mid", "vd"), (200, "mid", "vd")],
+    + [(70, "mid", "vd")],
     ids=lambda x: str(x),
 )
 def test_unpadded_forward_equals_padded_forward(n, bucket, layout):
-    """pk.forward(unpadded=True) == the default padded launch byte for byte: logp, lse, entropy,
-    logits, with bias, per-row T and the edge targets of _problem (past the vocabulary but owned,
-    past the weight, negative, ignored). In one row block (M <= 64 decode, M = 70 in the mid
-    bucket's 128 rows) the forward kernel reads the [N] targets / inv_t by scalar loads
-    (`row_loads`) and hidden with a box of N rounded up to 8 rows (none at 63: 64 rows), and the
-    fold reads and writes [N] by scalar loads and stores (`scalar_rows`; at 40 rows two fold row
-    blocks, the second partly past N); in several row blocks (200) by TMA (`row_tma`; interpret
-    mode: padded rows, since the interpreter's slices are bounded)."""
+    """pk.forward (unpadded=True, its default) == the padded launch (unpadded=False) byte for
+    byte: logp, lse, entropy, logits, with bias, per-row T and the edge targets of _problem (past
+    the vocabulary but owned, past the weight, negative, ignored). In one row block (M <= 64
+    decode, M = 70 in the mid bucket's 128 rows) the forward kernel reads the [N] targets /
+    inv_t by scalar loads (`row_loads`) and hidden with a box of N rounded up to 8 rows (none at
+    63: 64 rows), and the fold reads and writes [N] by scalar loads and stores (`scalar_rows`;
+    at 40 rows two 32-row fold blocks, the second partly past N; the 8-row decode fold here
+    too, as the default at N <= 64)."""
     from pallas_kernels import sm90_forward_ws, wrapper
 
     d, v, vl, vp = 128, 328, 384, 512
@@ -424,62 +423,28 @@ def test_unpadded_forward_equals_padded_forward(n, bucket, layout):
     real_build = sm90_forward_ws.build
 
     def spy(**static):
-        built.append({k: static.get(k) for k in ("row_loads", "h_box_rows", "row_tma")})
+        built.append({k: static.get(k) for k in ("row_loads", "h_box_rows")})
         return real_build(**static)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sm90_forward_ws, "build", spy)
         wrapper._forward_core.clear_cache()  # (a cached trace would not call build)
-        got = pk.forward(h, w, b, tj, ij, unpadded=True, **kw)
-    one_block = n < tuning.select_bucket(n, bucket).cta_rows
-    n8 = -(-n // 8) * 8
-    box = n8 if n8 < tuning.select_bucket(n, bucket).cta_rows else None
-    want_kw = (
-        {"row_loads": n, "h_box_rows": box, "row_tma": None}
-        if one_block
-        else {"row_loads": None, "h_box_rows": None, "row_tma": True}
-    )
-    assert built == [want_kw], built
-    want = pk.forward(h, w, b, tj, ij, **kw)
+        got = pk.forward(h, w, b, tj, ij, **kw)
+        assert n < tuning.select_bucket(n, bucket).cta_rows  # (one row block: unpadded)
+        n8 = -(-n // 8) * 8
+        box = n8 if n8 < tuning.select_bucket(n, bucket).cta_rows else None
+        assert built == [{"row_loads": n, "h_box_rows": box}], built
+        wrapper._forward_core.clear_cache()
+        want = pk.forward(h, w, b, tj, ij, unpadded=False, fold_cfg=tuning.FOLD, **kw)
+        assert built[1:] == [{"row_loads": None, "h_box_rows": None}], built
     for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
         assert got[i].shape == want[i].shape
         _same(got[i], want[i], f"{name} n={n} {bucket}")
 
 
-@pytest.mark.parametrize(
-    "n,bucket,num_ctas", [(1, "decode", 3), (70, "mid", 2), (70, "small", 2)], ids=["M1-decode", "M70-mid", "M70-small"]
-)
-def test_single_launch_forward_equals_two_kernels(n, bucket, num_ctas):
-    """pk.forward(single_launch=True) (the forward kernel's last CTA folds every CTA's partials
-    itself: `sm90_forward_ws.build(fold=)`, `sm90_fold.fold_row_block` over its row blocks in one
-    scratch) == the default two launches byte for byte: logp, lse, entropy, logits, with bias,
-    per-row T and _problem's edge targets; with and without the statistic. Interpret mode runs
-    the grid's CTAs in ascending order, so the last one folds after every other stored (the
-    semaphore is the H200's to check). The wgmma bucket ("small") has no in-kernel fold: the
-    option leaves it two launches, the same bytes."""
-    from pallas_kernels import wrapper
-
-    d, v, vl, vp = 128, 328, 384, 512
-    h, w, b, t, temp, inv_t = _problem(n, d, vl, v, seed=9)
-    tj, ij = jnp.asarray(t), jnp.asarray(inv_t)
-    kw = dict(vocab_size=v, padded_vocab_size=vp, interpret=True, num_ctas=num_ctas, bucket=bucket)
-    for ent in (True, False):
-        kw.update(return_entropy=ent, return_logits=ent, logits_cols=v if ent else None)
-        got = pk.forward(h, w, b, tj, ij, single_launch=True, **kw)
-        want = pk.forward(h, w, b, tj, ij, **kw)
-        for i, name in ((0, "logp"), (1, "lse"), (3, "entropy"), (2, "logits")):
-            if want[i] is not None:
-                _same(got[i], want[i], f"{name} n={n} {bucket} entropy={ent}")
-        launched = wrapper._launch(h, w, b, tj, ij, fold_in_kernel=tuning.FOLD, **kw)
-        assert (launched.folded is None) == (bucket == "small"), bucket
-    with pytest.raises(ValueError, match="unpadded"):
-        pk.forward(h, w, b, tj, ij, single_launch=True, unpadded=True, **kw)
-
-
 @pytest.mark.parametrize("n", [1, 13])
 def test_decode_fold_config_gives_the_same_bytes(n, monkeypatch):
-    """tuning.DECODE_FOLD (the fold pk.forward runs at N <= 64 rows; on since the twenty-second
-    session): FoldConfig(rows=8), 16 threads per row's splits, gives the bytes of the 32-row fold:
+    """tuning.DECODE_FOLD (the fold pk.forward runs at N <= 64 rows): FoldConfig(rows=8), 16 threads per row's splits, gives the bytes of the 32-row fold:
     logp, lse, entropy, with bias, per-row T and _problem's edge targets (interpret mode; the
     row inputs by scalar loads at 1 and 13 rows, 13 rows over two 8-row fold blocks)."""
     d, v, vl, vp = 128, 328, 384, 512

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from detlogp_jax import contract as C
 from detlogp_jax import oracle
 from tests.helpers import assert_bitwise_equal
-from tests.pallas_cases import entropy_fold_problem, fold_problem, handoff_variant, split_captures
+from tests.pallas_cases import fold_problem, split_captures
 
 pk = pytest.importorskip("pallas_kernels")
 from pallas_kernels import tuning  # noqa: E402
@@ -140,14 +140,13 @@ _FOLD_VARIANTS = [
     pytest.param({"rows": 64, "chunk": 6, "unroll": 5}, id="staged-rows64", marks=pytest.mark.slow),
     pytest.param({"rows": 8, "chunk": 16}, id="staged-rows8"),
     pytest.param({"rows": 16, "chunk": 24, "unroll": 7}, id="staged-rows16", marks=pytest.mark.slow),
-    pytest.param({"staged": False}, id="rowloop", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize("knobs", _FOLD_VARIANTS)
 @pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264])
 def test_fold_split_counts_equal_oracle(n_split, knobs):
-    """Split counts that are not multiples of the staged fold's groups / chunks,
+    """Split counts that are not multiples of the fold's groups / chunks,
     over 3 row blocks (the last one partial), every edge row: bytes equal oracle.fold."""
     n, v = 70, 1000
     m, s, z_t, t, inv_t = fold_problem(n, n_split, v, seed=n_split)
@@ -155,49 +154,6 @@ def test_fold_split_counts_equal_oracle(n_split, knobs):
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     assert_bitwise_equal(np.asarray(logp), rl, "logp")
     assert_bitwise_equal(np.asarray(lse), rs, "lse")
-
-
-def test_fold_row_block_runs_inside_another_kernel():
-    """sm90_fold.fold_row_block (the staged fold's body, for the forward kernel's last CTA to
-    call): one warpgroup of a caller's kernel folds two 32-row blocks in reverse order, each in
-    its own `run_scoped` scratch of `plan.scratch_types()`, both with the entropy statistic:
-    logp / lse / entropy bytes equal oracle.fold / oracle.fold_entropy and `pk.fold` (the fold
-    kernel's launch) on every row, fold_problem's edge rows included."""
-    from jax import lax
-    from jax.experimental import pallas as pl
-
-    from pallas_kernels import interpret_utils, sm90_fold
-
-    n, ns, v = 64, 37, 1000
-    m, s, a, z_t, t, inv_t = entropy_fold_problem(n, ns, v, seed=4)
-    plan = sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=32, chunk=8, entropy=True)
-
-    with pytest.raises(ValueError, match="rows must be 8, 16, 32 or 64"):
-        sm90_fold.staged_plan(n_split=ns, vocab_size=v, interpret=True, unroll=32, rows=48, chunk=8)
-
-    def kernel(mT, sT, aT, z, tt, it, logp, lse, h):
-        for r0 in (32, 0):
-            pl.run_scoped(
-                lambda *scr, r0=r0: sm90_fold.fold_row_block(
-                    plan, (mT, sT, aT, z, tt, it), (logp, lse, h), scr, lax.convert_element_type(r0, jnp.int32)
-                ),
-                *plan.scratch_types(),
-            )
-
-    f = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((n,), jnp.float32),) * 3,
-        grid=(1,),
-        grid_names=("rows",),
-        compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
-        **interpret_utils.kernel_kwargs(True),
-    )
-    got = f(*(jnp.asarray(x.T) for x in (m, s, a)), jnp.asarray(z_t), jnp.asarray(t), jnp.asarray(inv_t))
-    want = (*oracle.fold(m, s, z_t, t, inv_t, v), oracle.fold_entropy(m, s, a))
-    launched = pk.fold(m, s, z_t, t, inv_t, v, a=a, interpret=True)
-    for x, y, z, name in zip(got, want, launched, ("logp", "lse", "entropy")):
-        assert_bitwise_equal(np.asarray(x), np.asarray(y), name)
-        assert_bitwise_equal(np.asarray(x), np.asarray(z), name + " (pk.fold)")
 
 
 def _capture_edge_rows(z_t):
@@ -211,8 +167,7 @@ def _capture_edge_rows(z_t):
 @pytest.mark.parametrize("knobs", _FOLD_VARIANTS)
 @pytest.mark.parametrize("n_split", [1, 7, 264])
 def test_fold_forms_z_t_from_split_captures(n_split, knobs):
-    """fold_transposed(ztT=captures) (the staged kernel ORs each row's captures itself; the
-    row loop gets them ORed by XLA) == the fold given the owner's capture as z_t, byte for byte,
+    """fold_transposed(ztT=captures) (the kernel ORs each row's captures itself) == the fold given the owner's capture as z_t, byte for byte,
     over 3 row blocks, with -0 / NaN / +0 / subnormal captures and owners at the first and last
     split; and == oracle.fold."""
     from pallas_kernels import sm90_fold
@@ -325,7 +280,7 @@ def test_multi_tile_splits_and_groups(monkeypatch, bucket, races):
 
 @pytest.mark.slow
 def test_launch_knobs_are_bit_neutral():
-    """delay_release, grouped work order and logits staging slots give the same bytes."""
+    """Grouped work order, one consumer warpgroup and logits staging slots give the same bytes."""
     import dataclasses
 
     n, d, v, vp = 130, 128, 328, 512
@@ -333,11 +288,9 @@ def test_launch_knobs_are_bit_neutral():
     ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
     _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
     variants = [
-        # chain-in-wgmma kernel (the small bucket's): delay_release, work order, staging slots
-        dataclasses.replace(tuning.BUCKETS["small"], name="x1", delay_release=1, split_group=3, logits_slots=2),
-        dataclasses.replace(
-            tuning.BUCKETS["small"], name="x3", block_m=64, num_compute_wgs=1, delay_release=1, logits_slots=1
-        ),
+        # chain-in-wgmma kernel (the small bucket's): work order, staging slots
+        dataclasses.replace(tuning.BUCKETS["small"], name="x1", split_group=3, logits_slots=2),
+        dataclasses.replace(tuning.BUCKETS["small"], name="x3", block_m=64, num_compute_wgs=1, logits_slots=1),
         # sm90_forward_ws: work order
         dataclasses.replace(tuning.BUCKETS["prefill"], name="x2", split_group=2),
     ]
@@ -358,60 +311,24 @@ def _ws(**kw):
     return dataclasses.replace(tuning.BUCKETS["prefill"], name="ws-test", **kw)
 
 
-@pytest.mark.parametrize(
-    "epilogue_wgs,slices,handoff", [(1, 2, "slices"), (2, 1, "slices"), (1, 4, "swizzled"), (2, 8, "swizzled")]
-)
-def test_ws_kernel_bit_identical_with_race_detection(epilogue_wgs, slices, handoff):
+@pytest.mark.parametrize("bucket", ["prefill", "decode"])
+def test_ws_kernel_bit_identical_with_race_detection(bucket):
     """sm90_forward_ws == the chain-in-wgmma kernel (small bucket), every output and the
-    logits, with bias, per-row temperatures and padded vocab; no races (one CTA, 2 row blocks);
-    with either hand-off layout (eight [bm, 8] slices, or two swizzled [bm, 32] halves)."""
+    logits, with bias, per-row temperatures and padded vocab; no races (one CTA runs every work
+    item, so the hand-off buffers and the ring carry over item switches, and the kernel ends: no
+    barrier left waiting)."""
     n, d, v, vp = 130, 128, 328, 512
     h, w, b, t, inv_t, temp = _problem(n, d, v, seed=1, per_row_t=True)
     ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="small", num_ctas=2, return_logits=True)
     _check_against_oracle(ref, ref_logp, ref_lse, t, inv_t, temp, v, vp)
-    cfg = _ws(epilogue_wgs=epilogue_wgs, epilogue_slices=slices, handoff=handoff)
-    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=cfg, num_ctas=1, return_logits=True)
+    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=bucket, num_ctas=1, return_logits=True)
     for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
         assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
     assert_bitwise_equal(logp, ref_logp, "logp")
     assert_bitwise_equal(lse, ref_lse, "lse")
-    trainer, _, _ = _run(h, w, b, t, inv_t, v, vp, bucket=cfg, num_ctas=3)
+    trainer, _, _ = _run(h, w, b, t, inv_t, v, vp, bucket=bucket, num_ctas=3)
     for k, name in enumerate(("m", "s", "z_t")):
         assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
-
-
-@pytest.mark.parametrize("stagger,epilogue_wgs", [(1, 1), (2, 2)])
-def test_ws_kernel_staggered_wgmma_warpgroups_give_the_same_bytes(stagger, epilogue_wgs):
-    """mma_stagger (the second wgmma warpgroup starts `stagger` K slices after the first): the
-    same partials, logits, logp and lse bytes as the shipped prefill config, no races (one CTA
-    runs all 16 work items, so the lag carries over item switches), and the kernel ends (no
-    barrier left waiting). A lag the pipeline or one work item cannot hold is refused."""
-    n, d, v, vp = 130, 128, 328, 512
-    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=4, per_row_t=True)
-    ref, ref_logp, ref_lse = _run(h, w, b, t, inv_t, v, vp, bucket="prefill", num_ctas=1, return_logits=True)
-    cfg = _ws(mma_stagger=stagger, epilogue_wgs=epilogue_wgs)
-    out, logp, lse = _run(h, w, b, t, inv_t, v, vp, races=True, bucket=cfg, num_ctas=1, return_logits=True)
-    for k, name in enumerate(("m", "s", "z_t", "owned", "logits")):
-        assert_bitwise_equal(np.asarray(out[k], np.float32), np.asarray(ref[k], np.float32), name)
-    assert_bitwise_equal(logp, ref_logp, "logp")
-    assert_bitwise_equal(lse, ref_lse, "lse")
-    with pytest.raises(ValueError, match="mma_stagger"):
-        _run(h, w, b, t, inv_t, v, vp, bucket=_ws(mma_stagger=3), num_ctas=1)
-    with pytest.raises(ValueError, match="mma_stagger"):
-        tuning.WsForwardConfig("one-wg", block_m=64, num_compute_wgs=1, max_concurrent_steps=3, mma_stagger=1)
-
-
-@pytest.mark.slow
-def test_ws_kernel_tile_k32_equals_oracle():
-    """tile_k=32 (64B swizzle, twice the stages): interpret-mode wgmma rounds per call, so
-    its logits differ from tile_k=64 there (on the GPU the k16 sequence is the same); the
-    partials must still be the contract of its own logits."""
-    n, d, v, vp = 70, 128, 328, 512
-    h, w, b, t, inv_t, temp = _problem(n, d, v, seed=2)
-    out, logp, lse = _run(
-        h, w, b, t, inv_t, v, vp, races=True, bucket=_ws(tile_k=32, epilogue_slices=4), num_ctas=1, return_logits=True
-    )
-    _check_against_oracle(out, logp, lse, t, inv_t, temp, v, vp)
 
 
 @pytest.mark.parametrize("full", [True, False])
@@ -463,15 +380,15 @@ def test_chain_tile_sliced_equals_chain_tile(full):
 
 
 def test_ws_register_split_fits_the_launch_allocation():
+    """Producer 24, each wgmma warpgroup 128, the epilogue warpgroup the rest up to setmaxnreg's
+    232: within the launch's registers for one and two wgmma warpgroups."""
     from pallas_kernels import sm90_forward_ws
 
-    assert sm90_forward_ws.register_split(_ws(epilogue_wgs=1)) == (24, 128, 232)  # 4 warpgroups: 512 per slice
-    p, m, e = sm90_forward_ws.register_split(_ws(epilogue_wgs=2))  # 5 warpgroups launch with 96 each
-    assert p + 2 * m + 2 * e <= 5 * 96
-    with pytest.raises(ValueError, match="mma_registers"):  # above setmaxnreg's 232: refused by the config
-        _ws(epilogue_wgs=1, mma_registers=252)
-    with pytest.raises(ValueError, match="register split"):  # 2 x 232 leave the 2 epilogue warpgroups nothing
-        sm90_forward_ws.register_split(_ws(epilogue_wgs=2, mma_registers=232))
+    for cfg in (tuning.BUCKETS["prefill"], tuning.BUCKETS["decode"]):
+        p, m, e = sm90_forward_ws.register_split(cfg)
+        n_wgs = cfg.num_compute_wgs + 2
+        assert (p, m, e) == (24, 128, 232)
+        assert p + cfg.num_compute_wgs * m + e <= n_wgs * sm90_forward_ws.launch_registers(n_wgs)
 
 
 def test_each_kernel_builds_only_its_own_config():
@@ -486,9 +403,7 @@ def test_each_kernel_builds_only_its_own_config():
         sm90_forward_wgmma.build(cfg=tuning.BUCKETS["prefill"], **kw)
 
 
-@pytest.mark.parametrize(
-    "bucket", ["decode", "prefill", handoff_variant("prefill", "slices", 2)], ids=lambda b: getattr(b, "name", b)
-)
+@pytest.mark.parametrize("bucket", ["decode", "prefill", "small"])
 @pytest.mark.parametrize("v", [320, 325, 360])
 def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
     """logits_cols=vocab: [N, vocab] logits, the bytes of the full-width logits' first columns

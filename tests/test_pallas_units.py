@@ -23,8 +23,7 @@ from detlogp_jax import contract as C
 from detlogp_jax import numerics, oracle
 
 pk = pytest.importorskip("pallas_kernels")
-from pallas_kernels import common, ptx_ops, ptx_programs, sm90_fold, sm90_forward_ws, tile_math, tuning  # noqa: E402
-from tests.pallas_cases import handoff_variant  # noqa: E402
+from pallas_kernels import common, ptx_ops, ptx_programs, tile_math, tuning  # noqa: E402
 
 
 def _same(a, b):
@@ -260,13 +259,6 @@ def test_shipped_configs_are_pinned():
             max_concurrent_steps=5,
             ctas_per_sm=1,
             split_group=0,
-            epilogue_wgs=1,
-            mma_registers=0,
-            epilogue_slices=8,
-            tile_k=64,
-            auto_barriers=False,
-            cluster=1,
-            handoff="swizzled",
         ),
         "small": tuning.WgmmaForwardConfig(
             "small",
@@ -275,7 +267,6 @@ def test_shipped_configs_are_pinned():
             max_concurrent_steps=4,
             ctas_per_sm=1,
             split_group=0,
-            delay_release=0,
             logits_slots=2,
         ),
         "prefill": tuning.WsForwardConfig(
@@ -285,17 +276,18 @@ def test_shipped_configs_are_pinned():
             max_concurrent_steps=3,
             ctas_per_sm=1,
             split_group=4,
-            epilogue_wgs=1,
-            mma_registers=0,
-            epilogue_slices=8,
-            tile_k=64,
-            auto_barriers=False,
-            cluster=1,
-            handoff="swizzled",
         ),
     }
     assert tuning.BUCKETS["mid"] == dataclasses.replace(tuning.BUCKETS["prefill"], name="mid", split_group=2)
-    assert tuning.FOLD == tuning.FoldConfig(staged=True, rows=32, chunk=64, unroll=None)
+    assert tuning.FOLD == tuning.FoldConfig(rows=32, chunk=64, unroll=None)
+    assert tuning.DECODE_FOLD == tuning.FoldConfig(rows=8, chunk=64, unroll=None)
+    assert tuning.DECODE_ROWS == 64
+    assert tuning.DH_GEMM == tuning.GradGemmConfig(
+        tile_m=128, tile_n=256, max_concurrent_steps=3, col_group=8, cluster=True
+    )
+    assert tuning.DW_GEMM == tuning.GradGemmConfig(
+        tile_m=128, tile_n=256, max_concurrent_steps=4, col_group=8, cluster=True
+    )
     assert tuning.DZ == tuning.DzConfig(block_m=64, num_compute_wgs=2, block_n=256, max_concurrent_steps=4, col_group=4)
     assert tuning.DZ.rows_per_cta == 128
     assert tuning.BUCKET_TABLE == ((64, "decode"), (256, "small"), (2048, "mid"), (1 << 62, "prefill"))
@@ -335,24 +327,10 @@ _BAD_CONFIGS = [
     (tuning.WgmmaForwardConfig, dict(max_concurrent_steps=0), "max_concurrent_steps"),
     (tuning.WgmmaForwardConfig, dict(ctas_per_sm=0), "ctas_per_sm"),
     (tuning.WgmmaForwardConfig, dict(split_group=-1), "split_group"),
-    (tuning.WgmmaForwardConfig, dict(delay_release=2), "delay_release"),
     (tuning.WgmmaForwardConfig, dict(logits_slots=0), "logits_slots"),
     (tuning.WgmmaForwardConfig, dict(name=""), "name"),
     (tuning.WsForwardConfig, dict(block_m=256), "block_m"),
     (tuning.WsForwardConfig, dict(num_compute_wgs=3), "num_compute_wgs"),
-    (tuning.WsForwardConfig, dict(epilogue_wgs=0), "epilogue"),
-    (tuning.WsForwardConfig, dict(epilogue_wgs=3), "epilogue"),
-    (tuning.WsForwardConfig, dict(num_compute_wgs=1, epilogue_wgs=2), "epilogue"),
-    (tuning.WsForwardConfig, dict(mma_registers=100), "mma_registers"),
-    (tuning.WsForwardConfig, dict(mma_registers=240), "mma_registers"),
-    (tuning.WsForwardConfig, dict(epilogue_slices=3), "epilogue_slices"),
-    (tuning.WsForwardConfig, dict(tile_k=128), "tile_k"),
-    (tuning.WsForwardConfig, dict(tile_k=16), "tile_k"),
-    (tuning.WsForwardConfig, dict(cluster=4), "cluster"),
-    (tuning.WsForwardConfig, dict(cluster=0), "cluster"),
-    (tuning.WsForwardConfig, dict(auto_barriers=1), "auto_barriers"),
-    (tuning.WsForwardConfig, dict(handoff="tiles"), "handoff"),
-    (tuning.WsForwardConfig, dict(handoff="swizzled", epilogue_slices=2), "handoff"),
     (tuning.WsForwardConfig, dict(max_concurrent_steps=-1), "max_concurrent_steps"),
 ]
 
@@ -366,28 +344,25 @@ def test_forward_configs_refuse_bad_values(cls, bad, what):
 
 
 def test_configs_have_only_their_kernels_fields():
-    """delay_release / logits_slots belong to the chain-in-wgmma kernel, epilogue_wgs / mma_registers /
-    epilogue_slices / tile_k / auto_barriers / cluster to the ws kernel: the other kernel's config
-    refuses them (no field), and the shared part is not a config of any kernel."""
-    ws_only = {
-        "epilogue_wgs": 1,
-        "mma_registers": 0,
-        "epilogue_slices": 2,
-        "tile_k": 64,
-        "auto_barriers": False,
-        "cluster": 1,
+    """logits_slots belongs to the chain-in-wgmma kernel; the ws kernel's config has the shared
+    fields only (its hand-off, registers and epilogue warpgroup are fixed); the shared part is
+    not a config of any kernel; the configs and the bucket table are frozen."""
+    assert {f.name for f in dataclasses.fields(tuning.WsForwardConfig)} == {
+        f.name for f in dataclasses.fields(tuning.ForwardConfig)
     }
-    wgmma_only = {"delay_release": 0, "logits_slots": 2}
-    for key, val in ws_only.items():
+    with pytest.raises(TypeError):
+        dataclasses.replace(tuning.BUCKETS["prefill"], logits_slots=2)
+    for gone in ("cluster", "mma_stagger", "epilogue_wgs", "handoff", "tile_k", "delay_release"):
         with pytest.raises(TypeError):
-            dataclasses.replace(tuning.BUCKETS["small"], **{key: val})
-    for key, val in wgmma_only.items():
-        with pytest.raises(TypeError):
-            dataclasses.replace(tuning.BUCKETS["prefill"], **{key: val})
+            dataclasses.replace(tuning.BUCKETS["prefill"], **{gone: 1})
+    with pytest.raises(TypeError):
+        dataclasses.replace(tuning.BUCKETS["small"], delay_release=1)
     with pytest.raises(TypeError):
         tuning.ForwardConfig("x", block_m=64, num_compute_wgs=1, max_concurrent_steps=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         tuning.BUCKETS["small"].block_m = 128
+    with pytest.raises(TypeError):  # the table is read-only: another launch is a config passed in
+        tuning.BUCKETS["small"] = tuning.BUCKETS["mid"]
 
 
 @pytest.mark.parametrize(
@@ -400,7 +375,6 @@ def test_configs_have_only_their_kernels_fields():
         (dict(chunk=6), "chunk"),  # rows=32: a multiple of 4
         (dict(rows=64, chunk=3), "chunk"),  # rows=64: a multiple of 2
         (dict(unroll=0), "unroll"),
-        (dict(staged=1), "staged"),
     ],
 )
 def test_fold_config_refuses_bad_values(bad, what):
@@ -412,10 +386,12 @@ def test_fold_config_refuses_bad_values(bad, what):
 def test_fold_knobs_are_fold_config_fields():
     from pallas_kernels import sm90_fold
 
-    assert sm90_fold.config(staged=False) == tuning.FoldConfig(staged=False)
+    assert sm90_fold.config(rows=8) == tuning.FoldConfig(rows=8)
     assert sm90_fold.config() is tuning.FOLD
     with pytest.raises(TypeError, match="unknown fold knobs"):
         sm90_fold.config(rows_per_cta=32)
+    with pytest.raises(TypeError, match="unknown fold knobs"):
+        sm90_fold.config(staged=False)  # (the row-per-thread fold left the tree)
     with pytest.raises(ValueError, match="chunk"):
         pk.fold(
             np.zeros((2, 3), np.float32),
@@ -445,23 +421,14 @@ def test_dz_config_refuses_bad_values(bad, what):
         tuning.DzConfig(**bad)
 
 
-def test_cluster_rows_and_ctas():
-    """A 2-CTA cluster pads rows to two row blocks and launches an even CTA count."""
-    c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
-    assert c2.row_quantum == 256 and tuning.BUCKETS["prefill"].row_quantum == 128
-    assert tuning.padded_rows(640, tuning.BUCKETS["prefill"]) == 640  # 5 row blocks
-    assert tuning.padded_rows(640, c2) == 768  # 6: the pair of the fifth block is padding
-    assert tuning.padded_rows(0, c2) == 256
-    assert tuning.persistent_ctas(768, 264, c2, 132) == 132
-    assert tuning.persistent_ctas(256, 1, c2, 132) == 2  # one pair of row blocks, one split
-    assert tuning.persistent_ctas(4096, 264, c2, 131) == 130  # a whole number of clusters
-    assert tuning.persistent_ctas(128, 1, tuning.BUCKETS["prefill"], 132) == 1
-
-
-def test_ws_kernel_refuses_delay_release():
-    """The decode bucket builds the ws kernel, whose config has no delay_release."""
-    with pytest.raises(TypeError, match="delay_release"):
-        dataclasses.replace(tuning.BUCKETS["decode"], name="d", delay_release=1)
+def test_rows_and_ctas():
+    """Rows pad to whole row blocks; one persistent CTA per work item, at most the given count."""
+    pre = tuning.BUCKETS["prefill"]
+    assert tuning.padded_rows(640, pre) == 640 and tuning.padded_rows(641, pre) == 768
+    assert tuning.padded_rows(0, pre) == 128
+    assert tuning.persistent_ctas(768, 264, pre, 132) == 132
+    assert tuning.persistent_ctas(128, 1, pre, 132) == 1
+    assert tuning.persistent_ctas(4096, 264, pre, 131) == 131
 
 
 def test_partials_refuses_a_config_of_no_kernel():
@@ -477,24 +444,6 @@ def test_partials_refuses_a_config_of_no_kernel():
             vocab_size=64,
             padded_vocab_size=64,
             bucket=tuning.FOLD,
-            interpret=True,
-        )
-
-
-def test_cluster_refused_in_interpret_mode():
-    c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
-    h = jnp.zeros((4, 128), jnp.bfloat16)
-    w = jnp.zeros((64, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="multicast"):
-        pk.partials(
-            h,
-            w,
-            None,
-            jnp.zeros((4,), jnp.int32),
-            jnp.ones((4,), jnp.float32),
-            vocab_size=64,
-            padded_vocab_size=64,
-            bucket=c2,
             interpret=True,
         )
 
@@ -552,48 +501,20 @@ def _lower(n, d, v, vp, bucket, bias, logits, col_offset=0, shard_cols=None, wei
     return jax.jit(f).trace(h, w, b, t, it).lower(lowering_platforms=("cuda",)).as_text()
 
 
-_OTHER_HANDOFFS = [handoff_variant("prefill", "swizzled", 4), handoff_variant("decode", "slices", 2)]
-
-
-@pytest.mark.parametrize("bucket", [*sorted(tuning.BUCKETS), *_OTHER_HANDOFFS], ids=lambda b: getattr(b, "name", b))
+@pytest.mark.parametrize("bucket", sorted(tuning.BUCKETS))
 def test_forward_lowers_for_cuda(bucket):
-    """Every bucket (and the swizzled hand-off of the ws kernel: its [bm, 32] halves stored from
-    the accumulator, loaded whole and sliced in registers, TMA-stored as logits) lowers for CUDA."""
+    """Every bucket (the ws kernel's swizzled hand-off: [bm, 32] halves stored from the
+    accumulator, loaded whole and sliced in registers, TMA-stored as logits) lowers for CUDA."""
     _lower(70, 192, 1000, 1024, bucket, bias=True, logits=True)
     _lower(70, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512)
 
 
-@pytest.mark.parametrize("stagger", [1, 2])
-def test_staggered_forward_lowers_for_cuda(stagger):
-    """WsForwardConfig.mma_stagger (the second wgmma warpgroup a few K slices behind the first)
-    lowers for CUDA in the prefill config, with the trainer and the serving entry, into another
-    module than the shipped config's (the knob is not dropped on the way to the kernel)."""
-    cfg = dataclasses.replace(tuning.BUCKETS["prefill"], name=f"stagger{stagger}", mma_stagger=stagger)
-    _lower(300, 192, 1000, 1024, cfg, bias=True, logits=True)
-    staggered = _lower(300, 192, 1000, 1024, cfg, bias=False, logits=False)
-    assert staggered != _lower(300, 192, 1000, 1024, "prefill", bias=False, logits=False)
-
-
-def test_cluster_forward_lowers_for_cuda():
-    c2 = dataclasses.replace(tuning.BUCKETS["prefill"], name="c2", cluster=2)
-    _lower(300, 192, 1000, 1024, c2, bias=True, logits=True)
-
-
-_DV_VARIANTS = [
-    *sorted(tuning.BUCKETS),
-    dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="tile_k32", tile_k=32, epilogue_slices=4),
-    *_OTHER_HANDOFFS,
-]
-
-
-@pytest.mark.parametrize("bucket", _DV_VARIANTS, ids=lambda b: getattr(b, "name", b))
+@pytest.mark.parametrize("bucket", sorted(tuning.BUCKETS))
 def test_dv_forward_lowers_for_cuda(bucket):
-    """weight_layout="dv": Mosaic accepts the [tile_k, 64 w] TMA blocks of a [D, V] weight
-    (tiling/swizzle over the vocab columns, multicast split along K for cluster=2) and the
-    N-major wgmma B operand, for both kernels, both entries, a TP shard."""
-    rows = 300 if getattr(bucket, "cluster", 1) > 1 else 70
+    """weight_layout="dv": Mosaic accepts the [64, 64 w] TMA blocks of a [D, V] weight
+    (tiling/swizzle over the vocab columns) and the N-major wgmma B operand, for both kernels,
+    both entries, a TP shard."""
+    rows = 70
     _lower(rows, 192, 1000, 1024, bucket, bias=True, logits=True, weight_layout="dv", vl=1024)
     _lower(
         rows,
@@ -655,9 +576,9 @@ def test_dv_wgmma_reads_b_n_major_with_the_same_instructions():
         (1, 37, {}),
         (5, 9, {"chunk": 4}),
         (70, 1, {}),
-        (3, 1000, {}),
-        (300, 264, {"staged": False}),
+        (3, 600, {}),
         (64, 264, {"rows": 64}),
+        (1, 264, {"rows": 8}),
     ],
 )
 def test_fold_lowers_for_cuda(n, n_split, knobs):
@@ -716,115 +637,39 @@ def test_forward_has_no_xla_glue_where_the_rows_do_not_fill_the_kernel(n, bucket
     targets / inv_t, no XLA select of z_t (the fold ORs the split captures), no output slices
     (the fold writes [N]). In one row block (1, 3, 8, 13) targets / inv_t go in as they are
     (scalar loads in both kernels); hidden too where N < 8 or a multiple of 8, and at 13 rows
-    hidden alone is padded to 16 (Mosaic's tiled TMA takes no other row count >= 8). In several
-    row blocks (296; 72 rows in the decode bucket's two blocks) N rounded up to 8 rows by TMA. The
-    mid / prefill buckets' 128-row block at 1 and 70 rows (two hand-off buffers, the second at M=1
-    with no real row: Mosaic's layout inference once failed on its unused iota).
-    With unpadded=False the pads to 64 / 384 rows and the slices are back (the contrast that
-    makes this test able to fail)."""
-    ops = [op for op in _forward_ops(n, bucket, unpadded=True) if op not in ("constant", "convert")]  # (pad values)
+    hidden alone is padded to 16 (Mosaic's tiled TMA takes no other row count >= 8). The mid /
+    prefill buckets' 128-row block at 1 and 70 rows (two hand-off buffers, the second at M=1
+    with no real row: Mosaic's layout inference once failed on its unused iota). Calls of
+    several row blocks (296; 72 rows in the decode bucket's two blocks) stay padded. With
+    unpadded=False the pads to 64 / 384 rows and the slices are back (the contrast that makes
+    this test able to fail); the default is unpadded=True."""
     one_block = n < tuning.select_bucket(n, bucket).cta_rows
-    if one_block and n > 8 and n % 8:  # (13, 70: hidden rounded up to 16 / 72 rows)
+    padded = _forward_ops(n, bucket, unpadded=False)
+    assert "pad" in padded and "slice" in padded and "gather" not in padded, padded
+    default = _forward_ops(n, bucket)
+    assert default == _forward_ops(n, bucket, unpadded=True)
+    if not one_block:
+        assert default == padded
+        return
+    ops = [op for op in default if op not in ("constant", "convert")]  # (pad values)
+    if n > 8 and n % 8:  # (13, 70: hidden rounded up to 16 / 72 rows)
         assert ops == ["pad", "custom_call", "custom_call"], ops
     else:
         assert ops == ["custom_call", "custom_call"], ops
-    padded = _forward_ops(n, bucket, unpadded=False)
-    assert "pad" in padded and "slice" in padded and "gather" not in padded, padded
-    # The default (tuning.UNPADDED_ROWS): unpadded in one row block, padded in several.
-    assert _forward_ops(n, bucket) == (_forward_ops(n, bucket, unpadded=True) if one_block else padded)
-
-
-@pytest.mark.parametrize("n,entropy", [(1, False), (64, True)])
-def test_single_launch_forward_lowers_for_cuda_as_one_kernel(n, entropy):
-    """pk.forward(single_launch=True) at the Qwen3-8B head (decode bucket) lowers for CUDA as one
-    Mosaic kernel (the fold inside the forward kernel: no second custom call), whose module has
-    the grid semaphore's release-add and acquire spin for all of the launch's CTAs, the fences
-    around them, and every warpgroup back at the launch's register count before the fold's
-    scope (setmaxnreg to it after each role); the default call is two kernels."""
-    from benchmarks import mosaic_ir_hashes as mh
-
-    v = 151936
-
-    def lower(single):
-        return _lower_forward(n, return_entropy=entropy, single_launch=single)
-
-    mh._capture_modules()
-    start = len(mh._captured)
-    txt = lower(True)
-    assert txt.count("stablehlo.custom_call") == 1
-    [module] = mh._captured[start:]
-    ctas = tuning.persistent_ctas(64, 264, tuning.BUCKETS["decode"], tuning.default_num_sms())
-    assert "red.release.sys.global.add.u32" in module and "atom.relaxed.sys.global.cas.b32" in module
-    assert re.search(rf"scf.while \(%arg\d+ = %c{ctas}_i32", module), "the wait counts every CTA"
-    assert "fence.acq_rel.gpu;" in module and "fence.proxy.async.global;" in module
-    launch = sm90_forward_ws.launch_registers(3)
-    assert module.count(f"setmaxnreg.inc.sync.aligned.u32 {launch};") == 2  # producer, wgmma warpgroup
-    assert module.count(f"setmaxnreg.dec.sync.aligned.u32 {launch};") == 1  # epilogue warpgroup
-    # The fold's barriers are its own: the pipeline's four barrier arrays (full, empty, dump_full,
-    # dump_empty) plus every one of the fold's (reserved in its own scope, the fold would get the
-    # pipeline's released `empty`, whose phases the pipeline advanced).
-    plan = sm90_fold.kernel_plan(n_split=264, vocab_size=v, interpret=False, entropy=entropy)
-    barrier_arrays = re.findall(
-        r"memref\.view %\d+\[%c\d+\]\[\] : memref<\?xi8, #gpu\.address_space<workgroup>> to memref<\d+xi64", module
-    )
-    assert len(barrier_arrays) == 4 + len(plan.barrier_types()), barrier_arrays
-    assert lower(False).count("stablehlo.custom_call") == 2
 
 
 def test_one_row_block_is_a_call_that_leaves_its_one_row_block_part_empty():
     """tuning.one_row_block: the calls whose rows go in unpadded by default (decode): fewer rows
-    than the config's one row block; not a full block, not several, not a 2-CTA cluster's pair."""
+    than the config's one row block; not a full block, not several."""
     dec, mid = tuning.BUCKETS["decode"], tuning.BUCKETS["mid"]
     assert tuning.one_row_block(1, dec) and tuning.one_row_block(63, dec) and tuning.one_row_block(70, mid)
     assert not tuning.one_row_block(64, dec) and not tuning.one_row_block(65, dec)
-    assert not tuning.one_row_block(1, dataclasses.replace(mid, cluster=2))
-
-
-def test_unpadded_default_follows_tuning(monkeypatch):
-    """pk.forward's unpadded=None takes tuning.UNPADDED_ROWS for a call in one row block (on: the
-    decode call lowers to the two kernels alone; off: the row pads and output slices are back),
-    never for several row blocks, and not where the single launch is on."""
-    assert tuning.UNPADDED_ROWS is True
-    assert _forward_ops(1) == _forward_ops(1, unpadded=True) != _forward_ops(1, unpadded=False)
-    assert _forward_ops(296) == _forward_ops(296, unpadded=False) != _forward_ops(296, unpadded=True)
-    monkeypatch.setattr(tuning, "UNPADDED_ROWS", False)
-    assert _forward_ops(1) == _forward_ops(1, unpadded=False)
-    monkeypatch.setattr(tuning, "UNPADDED_ROWS", True)
-    monkeypatch.setattr(tuning, "SINGLE_LAUNCH", True)
-    assert _forward_ops(1).count("custom_call") == 1
-
-
-def test_single_launch_default_follows_tuning(monkeypatch):
-    """pk.forward's single_launch=None takes tuning.SINGLE_LAUNCH (off: two kernels; on: one),
-    and an explicit value wins."""
-    assert tuning.SINGLE_LAUNCH is False
-    assert _forward_ops(1).count("custom_call") == 2
-    assert _forward_ops(1, single_launch=True).count("custom_call") == 1
-    monkeypatch.setattr(tuning, "SINGLE_LAUNCH", True)
-    assert _forward_ops(1).count("custom_call") == 1
-    assert _forward_ops(1, single_launch=False).count("custom_call") == 2
-    assert _forward_ops(8, unpadded=True).count("custom_call") == 2  # unpadded rows: two launches
-
-
-def test_fold_plan_splits_its_scratch_into_buffers_and_barriers():
-    """StagedPlan.smem_types / barrier_types / merge_scratch (the in-kernel fold reserves its
-    barriers outside the pipeline's scope): the merge restores scratch_types' order exactly."""
-    for entropy in (False, True):
-        plan = sm90_fold.kernel_plan(n_split=264, vocab_size=151936, interpret=False, entropy=entropy)
-        whole = plan.scratch_types()
-        smem, bars = plan.smem_types(), plan.barrier_types()
-        assert len(smem) + len(bars) == len(whole) and len(bars) == (5 if entropy else 4)
-        assert all("Barrier" in type(b).__name__ for b in bars)
-        assert not any("Barrier" in type(t).__name__ for t in smem)
-        assert [repr(x) for x in plan.merge_scratch(smem, bars)] == [repr(x) for x in whole]
 
 
 _ENTROPY_VARIANTS = [
     *sorted(tuning.BUCKETS),
-    dataclasses.replace(tuning.BUCKETS["small"], name="delay", delay_release=1, split_group=3),
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="cluster2", cluster=2),
-    dataclasses.replace(tuning.BUCKETS["prefill"], name="epi2", epilogue_wgs=2, epilogue_slices=1, handoff="slices"),
-    handoff_variant("prefill", "slices", 2),
+    dataclasses.replace(tuning.BUCKETS["small"], name="small-g3", split_group=3),
+    dataclasses.replace(tuning.BUCKETS["prefill"], name="prefill-1wg", num_compute_wgs=1),
 ]
 
 
@@ -864,7 +709,7 @@ def test_entropy_forward_lowers_for_cuda(bucket):
     """Both forward kernels built with return_entropy=True lower for CUDA (the PEXP /
     ENTROPY_TERM blocks, the A carry in the pipeline / epilogue loops, the fourth output):
     serving with bias, trainer on a TP shard, and a [D, V] weight."""
-    rows = 300 if getattr(bucket, "cluster", 1) > 1 else 70
+    rows = 70
     _lower_entropy(rows, 192, 1000, 1024, bucket, bias=True, logits=True)
     _lower_entropy(rows, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512, vl=512)
     _lower_entropy(rows, 192, 1000, 1024, bucket, bias=False, logits=True, weight_layout="dv", vl=1024)
@@ -872,11 +717,11 @@ def test_entropy_forward_lowers_for_cuda(bucket):
 
 @pytest.mark.parametrize(
     "n,n_split,knobs",
-    [(300, 264, {}), (1, 37, {}), (5, 9, {"chunk": 4}), (70, 1, {}), (3, 600, {}), (300, 264, {"staged": False})],
+    [(300, 264, {}), (1, 37, {}), (5, 9, {"chunk": 4}), (70, 1, {}), (3, 600, {"rows": 16}), (1, 264, {"rows": 8})],
 )
 def test_entropy_fold_lowers_for_cuda(n, n_split, knobs):
-    """The fold with A (both layouts; n_split = 600 falls back to the row loop with A) lowers for
-    CUDA: the A terms block, the two-sum chain block, the RCP block, the third output."""
+    """The fold with A lowers for CUDA: the A terms block, the two-sum chain block, the RCP
+    block, the third output."""
     a = jax.ShapeDtypeStruct((n, n_split), jnp.float32)
     v = jax.ShapeDtypeStruct((n,), jnp.float32)
     t = jax.ShapeDtypeStruct((n,), jnp.int32)
@@ -889,26 +734,23 @@ def test_entropy_fold_lowers_for_cuda(n, n_split, knobs):
     jax.jit(f).trace(a, a, a, v, t, v).lower(lowering_platforms=("cuda",))
 
 
-def test_pallas_entry_declares_the_entropy_as_validated(monkeypatch):
-    """The registry entry declares the entropy (ENTROPY_VALIDATED, set after the H200
-    validation) and resolve serves return_entropy=True on pallas_sm90; backend_entry()
-    follows the flag: with it unset the entry refuses the entropy (explicit request ->
-    BackendUnavailableError); the dz kernel (not contract-bearing) takes the entropy
-    term whatever the flag says."""
+def test_pallas_entry_declares_the_entropy(monkeypatch):
+    """The registry entry declares the entropy (validated on the H200) and resolve serves
+    return_entropy=True on pallas_sm90; an entry that does not declare it refuses the entropy
+    (explicit request -> BackendUnavailableError); the dz kernel (not contract-bearing) takes
+    the entropy term either way."""
     from detlogp_jax import backends
     from pallas_kernels import backend as pallas_backend
 
-    assert pallas_backend.ENTROPY_VALIDATED is True
     be = backends.get("pallas_sm90")
     assert be.entropy is True and be.dz.entropy is True
+    assert pallas_backend.backend_entry().entropy is True
     h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
     monkeypatch.setitem(backends._LOADED, "pallas_sm90", type(be)(**{**be.__dict__, "available": lambda: True}))
     assert backends.resolve("pallas_sm90", h, w, entropy=True)[0].entropy
-    monkeypatch.setattr(pallas_backend, "ENTROPY_VALIDATED", False)
-    unset = pallas_backend.backend_entry()
-    assert unset.entropy is False and unset.dz.entropy is True
-    monkeypatch.setitem(backends._LOADED, "pallas_sm90", type(unset)(**{**unset.__dict__, "available": lambda: True}))
+    unset = type(be)(**{**be.__dict__, "available": lambda: True, "entropy": False})
+    monkeypatch.setitem(backends._LOADED, "pallas_sm90", unset)
     with pytest.raises(backends.BackendUnavailableError, match="entropy"):
         backends.resolve("pallas_sm90", h, w, entropy=True)
 
@@ -955,8 +797,7 @@ def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
 def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entropy):
     """linear_logp on pallas_sm90, lowered for CUDA: the two kernels (forward, fold) with no
     transpose of the split partials between them and, at this one-row decode call, no row pad
-    either (`tuning.UNPADDED_ROWS`; the three row pads of hidden / targets / inv_t without it) --
-    the fused forward (`Backend.fused_forward`); the partials + fold route it replaced
+    either (`pk.forward(unpadded=True)`, its default) -- the fused forward (`Backend.fused_forward`); the partials + fold route it replaced
     transposes and pads the partials again (the positive control)."""
     import detlogp_jax as dl
     from detlogp_jax import backends
@@ -978,8 +819,6 @@ def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entro
         return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("custom_call", "transpose", "pad")}
 
     assert ops(fake) == {"custom_call": 2, "transpose": 0, "pad": 0}
-    monkeypatch.setattr(tuning, "UNPADDED_ROWS", False)
-    assert ops(fake) == {"custom_call": 2, "transpose": 0, "pad": 3}
     unfused = ops(dataclasses.replace(fake, fused_forward=None))
     assert unfused["custom_call"] == 2 and unfused["transpose"] > 0 and unfused["pad"] > 3, unfused
 
@@ -1005,11 +844,10 @@ def _decode_ws_kernel(h_box_rows, interpret, d=256, vp=1024, v=1000, n_pad=64):
 
 
 @pytest.mark.parametrize("h_rows", [64, 8, 1])
-def test_hidden_box_experiment_lowers_for_cuda(h_rows):
-    """sm90_forward_ws.build(h_box_rows=8) (the decode experiment of benchmarks/experiments/
-    probe_kernel.py's decode15 group: an 8-row hidden box, the slot's other rows zeroed once by
-    the producer) lowers for CUDA on a padded, an 8-row and a 1-row hidden array; a box that is
-    not a multiple of 8 or a launch of more than one row block is refused."""
+def test_hidden_box_lowers_for_cuda(h_rows):
+    """sm90_forward_ws.build(h_box_rows=8) (a decode call's hidden box: 8 rows, the slot's other
+    rows zeroed once by the producer) lowers for CUDA on a padded, an 8-row and a 1-row hidden
+    array; a box that is not a multiple of 8 or a launch of more than one row block is refused."""
     S = jax.ShapeDtypeStruct
     args = (S((h_rows, 256), jnp.bfloat16), S((1024, 256), jnp.bfloat16), S((64,), jnp.int32), S((64,), jnp.float32))
     jax.jit(_decode_ws_kernel(8, False)).trace(*args).lower(lowering_platforms=("cuda",))
@@ -1019,7 +857,7 @@ def test_hidden_box_experiment_lowers_for_cuda(h_rows):
         _decode_ws_kernel(8, False, n_pad=128)
 
 
-def test_hidden_box_experiment_gives_the_same_bytes_in_interpret_mode():
+def test_hidden_box_gives_the_same_bytes_in_interpret_mode():
     """The 8-row hidden box reads the rows the full box reads where the hidden array's other
     rows are zeros (padding rows): every partial equal, padding rows included."""
     rng = np.random.default_rng(3)
@@ -1074,3 +912,77 @@ def test_row_invariant_interpret_matmul_is_a_fixed_order_sum_per_element():
     assert block[i, j] == np.float32(s)
     with pytest.raises(ValueError, match=r"\[m, k\] @ \[k, n\]"):
         mm(a[None], b)
+
+
+def test_entry_points_take_a_weight_layout_or_its_name():
+    """Every entry point the op core calls takes weight_layout as "vd" / "dv" or as a
+    `detlogp_jax.layout.WeightLayout` (converted once with `as_layout`), with the same result:
+    supports / unsupported, the registry entry's dz and in-place predicates, and the lowered
+    partials, forward, dz and gradient GEMM programs (the same StableHLO ops and Mosaic
+    modules); an unknown layout is refused naming the two."""
+    from detlogp_jax.layout import DV, VD
+    from pallas_kernels import backend, sm90_dz, sm90_grad_gemm, wrapper
+
+    S = jax.ShapeDtypeStruct
+    h, w_dv = S((4, 128), jnp.bfloat16), S((128, 512), jnp.bfloat16)
+    assert pk.supports(h, w_dv, DV) == pk.supports(h, w_dv, "dv") == (True, "ok")
+    assert pk.supports(h, S((512, 128), jnp.bfloat16), VD) == (True, "ok")
+    assert wrapper.unsupported(h, S((128, 328), jnp.bfloat16), DV) == wrapper.unsupported(
+        h, S((128, 328), jnp.bfloat16), "dv"
+    )
+    with pytest.raises(ValueError, match="'vd'.*'dv'"):
+        pk.supports(h, w_dv, "kv")
+    entry = backend.backend_entry()
+    assert entry.dz.supports(h, w_dv, 512, DV) and entry.dz.supports(h, w_dv, 512, "dv")
+    assert entry.dz.in_place.supports(256, 512, 1536, 512, DV) == entry.dz.in_place.supports(256, 512, 1536, 512, "dv")
+
+    from benchmarks import mosaic_ir_hashes as mh
+
+    mh._capture_modules()
+
+    def text(f, *args):
+        """The lowered program: its StableHLO ops and the digests of its Mosaic modules (without
+        locations: the two calls differ only in their Python call sites)."""
+        start = len(mh._captured)
+        hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        modules = [mh._digest(m) for m in mh._captured[start:]]
+        assert modules, "no Mosaic module lowered"
+        return re.findall(r"\bstablehlo\.([a-z_]+)", hlo), modules
+
+    t, it = S((4,), jnp.int32), S((4,), jnp.float32)
+    for layout in ("dv", "vd"):
+        typed = {"dv": DV, "vd": VD}[layout]
+        w = S((128, 512) if layout == "dv" else (512, 128), jnp.bfloat16)
+
+        def parts(h, w, t, it, lay):
+            return pk.partials(h, w, None, t, it, vocab_size=500, padded_vocab_size=512, weight_layout=lay)[:2]
+
+        def fwd(h, w, t, it, lay):
+            return pk.forward(h, w, None, t, it, vocab_size=500, padded_vocab_size=512, weight_layout=lay)[:2]
+
+        for fn in (parts, fwd):
+            assert text(lambda *a, fn=fn: fn(*a, layout), h, w, t, it) == text(
+                lambda *a, fn=fn: fn(*a, typed), h, w, t, it
+            )
+        n, chunk = 128, 256
+        hp, dz = S((n, 128), jnp.bfloat16), S((n, chunk), jnp.bfloat16)
+        wc = S((128, chunk) if layout == "dv" else (chunk, 128), jnp.bfloat16)
+        v = S((n,), jnp.float32)
+
+        def dzc(hp, wc, tt, a, lay):
+            return sm90_dz.dz_chunk(hp, wc, None, tt, a, a, a, a, 0, chunk, weight_layout=lay)
+
+        tt = S((n,), jnp.int32)
+        assert text(lambda *a: dzc(*a, layout), hp, wc, tt, v) == text(lambda *a: dzc(*a, typed), hp, wc, tt, v)
+        wf = S((256, 1024) if layout == "dv" else (1024, 256), jnp.bfloat16)  # (D = 256: the GEMMs' tile)
+        st, dh, hp = S((), jnp.int32), S((n, 256), jnp.float32), S((n, 256), jnp.bfloat16)
+
+        def dha(dh, dz, w, s, lay):
+            return sm90_grad_gemm.dh_accumulate(dh, dz, w, s, weight_layout=lay)
+
+        assert text(lambda *a: dha(*a, layout), dh, dz, wf, st) == text(lambda *a: dha(*a, typed), dh, dz, wf, st)
+
+        def dww(dw, dz, h, s, lay):
+            return sm90_grad_gemm.dw_write(dw, dz, h, s, weight_layout=lay)
+
+        assert text(lambda *a: dww(*a, layout), wf, dz, hp, st) == text(lambda *a: dww(*a, typed), wf, dz, hp, st)

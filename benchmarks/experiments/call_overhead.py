@@ -2,9 +2,9 @@
 
     python -m benchmarks.experiments.call_overhead --m 1,64 --out overhead.jsonl
 
-The benchmark runner times M=1 at 0.334 ms for the trainer forward and 0.308 for the GEMM
-alone (1.086x), while a profiler trace shows 292.8 us of device work (296.7 us span) per call
-against ~280 for the GEMM (eleventh session). This script asks what the rest is. For each
+The benchmark runner's per-call time at M=1 sits above a profiler trace's device work per call
+for both the trainer forward and the GEMM alone (docs/PERF_NOTES.md). This script asks what the
+rest is. For each
 lane, the same compiled executable is timed five ways (median over `--samples` samples):
 
 * `enqueue_us`: host time to issue `--calls` calls without waiting, per call (the dispatch
@@ -16,22 +16,14 @@ lane, the same compiled executable is timed five ways (median over `--samples` s
 * `gap10_us` = sample10 - sample100: the per-call share of what one sync and the first
   dispatch cost in a 10-call sample.
 
-Lanes: `trainer` (as shipped), `unpadded` / `rows_padded` (the trainer traced with
-`tuning.UNPADDED_ROWS` on / off: a decode call's rows passed without / with pads; their logp /
-lse bytes against the trainer's are printed; before 2026-12-04 `trainer` itself was traced with
-it off whenever `unpadded` existed as a lane), `gemm` and
-`gemm_remat` (the runner's own functions,
-`benchmarks.cases.build`; with `--mode fwd_bwd` their training step: is the runner's time
-above the trace's busy time at M=4096 (31.35 vs 29.49 ms; the four cuBLAS GEMMs 30.17 vs
-28.78) a per-sample cost or a rate?), `padded`
-(`pallas_kernels.forward` on rows already padded to the kernel's row count: no pads, no
-output slices; the z_t selection and the fold remain) and `kernel` (the forward kernel alone on
-pre-padded operands, `kernel_timing.kernel_fn`). trainer - padded is the glue's share, padded
-- kernel the fold's and z_t's. `single` is `padded` with `pk.forward(single_launch=True)` (the
-forward kernel folds its own partials: one launch; seventeenth session). One JSON line per lane
-and M. The trainer's logp / lse bytes equal the padded lane's first rows, and the single
-launch's the padded lane's (all rows) in two of its calls (printed: restructure checks, not
-contract checks).
+Lanes: `trainer` (as shipped), `gemm` and `gemm_remat` (the runner's own functions,
+`benchmarks.cases.build`; with `--mode fwd_bwd` their training step: is the runner's time above
+the trace's busy time a per-sample cost or a rate?), `padded` (`pallas_kernels.forward` on rows
+already padded to the kernel's row count, `unpadded=False`: no pads, no output slices; the fold
+remains) and `kernel` (the forward kernel alone on pre-padded operands,
+`kernel_timing.kernel_fn`). trainer - padded is the glue's share, padded - kernel the fold's.
+One JSON line per lane and M. The trainer's logp / lse bytes equal the padded lane's first rows
+(printed: a restructure check, not a contract check).
 """
 
 from __future__ import annotations
@@ -119,28 +111,21 @@ def lanes_for(shape, m: int, names) -> dict:
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, m)
     got = {}
     for name in names:
-        if name in ("trainer", "unpadded", "rows_padded", "gemm", "gemm_remat"):
-            backend = "pallas_sm90" if name in ("trainer", "unpadded", "rows_padded") else name
+        if name in ("trainer", "gemm", "gemm_remat"):
+            backend = "pallas_sm90" if name == "trainer" else name
             spec = cases.CaseSpec(backend=backend, shape=shape, mode=FLAGS.mode)
-            saved = tuning.UNPADDED_ROWS
-            # (read when traced; "trainer" keeps the shipped default)
-            tuning.UNPADDED_ROWS = {"unpadded": True, "rows_padded": False}.get(name, saved)
-            try:
-                f = jax.jit(cases.build(spec)).lower(hidden, weight, targets).compile()
-            finally:
-                tuning.UNPADDED_ROWS = saved
+            f = jax.jit(cases.build(spec)).lower(hidden, weight, targets).compile()
             got[name] = lambda f=f: f(hidden, weight, targets)
         elif FLAGS.mode != "fwd":
             raise SystemExit(f"the {name} lane is a forward (--mode fwd)")
-        elif name in ("padded", "single"):
+        elif name == "padded":
             cfg = tuning.select_bucket(m, None)
             n_pad = tuning.padded_rows(m, cfg)
             h_p = jnp.pad(hidden, ((0, n_pad - m), (0, 0)))
             t_p = jnp.pad(targets, (0, n_pad - m), constant_values=C.IGNORE_INDEX)
             inv_t = jnp.ones((n_pad,), jnp.float32)
-            single = name == "single"
 
-            def padded(h, w, t, it, single=single):
+            def padded(h, w, t, it):
                 logp, lse, _, _ = pk.forward(
                     h,
                     w,
@@ -149,7 +134,7 @@ def lanes_for(shape, m: int, names) -> dict:
                     it,
                     vocab_size=shape.v_real,
                     padded_vocab_size=shape.v_rows,
-                    single_launch=single,
+                    unpadded=False,
                 )
                 return {"logp": logp, "lse": lse}
 
@@ -186,21 +171,6 @@ def main(argv):
             if FLAGS.out:
                 with open(FLAGS.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-        if "single" in outs and "padded" in outs:
-            again = calls["single"]()
-            for k in ("logp", "lse"):
-                want = np.asarray(outs["padded"][k], np.float32).view(np.uint32)
-                for i, got in enumerate((outs["single"], again)):
-                    g = np.asarray(got[k], np.float32).view(np.uint32)
-                    print(
-                        f"M={m} {k}: single launch (call {i + 1}) rows differing from padded: {int((g != want).sum())}"
-                    )
-        for other in ("unpadded", "rows_padded"):
-            if "trainer" in outs and other in outs:
-                for k in ("logp", "lse"):
-                    a = np.asarray(outs["trainer"][k], np.float32).view(np.uint32)
-                    b = np.asarray(outs[other][k], np.float32).view(np.uint32)
-                    print(f"M={m} {k}: {other} rows differing from trainer: {int((a != b).sum())} of {a.size}")
         if "trainer" in outs and "padded" in outs and FLAGS.mode == "fwd":
             for k in ("logp", "lse"):
                 a = np.asarray(outs["trainer"][k], np.float32)

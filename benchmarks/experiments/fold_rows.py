@@ -1,8 +1,8 @@
-"""The decode fold's rows per CTA (twenty-first session; issue 18, decode M=1 <= 1.03x).
+"""The decode fold's rows per CTA (issue 18, decode M=1 <= 1.03x; shipped: `tuning.DECODE_FOLD`).
 
     python -m benchmarks.experiments.fold_rows --m 1,8,40 --rows 32,16,8 --out fold_rows.jsonl
 
-At M=1 the staged fold (`tuning.FoldConfig`, 32 rows per warpgroup: G = 4 threads per row
+At M=1 the fold (`tuning.FoldConfig`, 32 rows per warpgroup: G = 4 threads per row
 share its 264 splits) takes ~5 us of the decode call; with 8 rows per warpgroup G = 16 threads
 share a row's splits (a quarter of the exp programs per thread), the contract's chain and its
 order unchanged. For each M and rows value: the fold alone on the forward kernel's split-major

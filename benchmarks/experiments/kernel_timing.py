@@ -74,15 +74,12 @@ def forward_build(cfg):
     raise TypeError(f"not a forward kernel config: {cfg!r}")
 
 
-def kernel_fn(m, cfg, *, return_logits=False, h_rows=None, row_rows=None, **build_kw):
+def kernel_fn(m, cfg, *, return_logits=False, **build_kw):
     """(run, prep): a jitted kernel-only call run(h_pad, w, t_pad, inv_t_pad) on pre-padded
-    operands (as `partials` builds them; no bias), and prep(h, t) -> (h_pad, t_pad, inv_t_pad).
-    h_rows / row_rows: rows the hidden / the targets and inv_t are padded to (default the
-    kernel's padded rows; fewer only with a ws kernel that reads past them: `build_kw`
-    row_tma=True for the row inputs, TMA's out-of-bounds fill or h_box_rows for hidden)."""
+    operands (as `partials` builds them; no bias), and prep(h, t) -> (h_pad, t_pad, inv_t_pad)."""
     geom = pk.shard_geometry(V_REAL, V_ROWS)
     n_pad = tuning.padded_rows(m, cfg)
-    h_rows, row_rows = h_rows or n_pad, row_rows or n_pad
+    h_rows = row_rows = n_pad
     num_ctas = tuning.persistent_ctas(n_pad, geom.n_local, cfg, tuning.default_num_sms() * cfg.ctas_per_sm)
     lg_rows = m if (m % 8 == 0 or m < 8) else -(-m // 8) * 8
     build = forward_build(cfg)
@@ -152,10 +149,9 @@ def as_ws(cfg: tuning.ForwardConfig, **kw) -> tuning.WsForwardConfig:
     return tuning.WsForwardConfig(**{**shared, **kw})
 
 
-# The prefill configuration before the epilogue warpgroup (chain in the wgmma warpgroups,
-# 5 stages): the base of the experiment groups of the first two sessions.
+# The prefill configuration with the chain in the wgmma warpgroups (5 stages): the base of the
+# chain-in-wgmma experiment groups.
 CHAIN_IN_WGMMA = as_wgmma(tuning.BUCKETS["prefill"], name="prefill-chain", max_concurrent_steps=5)
 
-# The decode configuration before the epilogue warpgroup (fourth session): chain in the one
-# wgmma warpgroup, 6 stages.
+# The decode configuration with the chain in the one wgmma warpgroup, 6 stages.
 DECODE_CHAIN_IN_WGMMA = as_wgmma(tuning.BUCKETS["decode"], name="decode-chain", max_concurrent_steps=6)

@@ -42,7 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "groups",
     ["decode", "fold", "small", "prefill", "large", "serving", "backward", "full"],
-    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, cluster, decode_ws, decode7, small7, residual7, chunk7, handoff8, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19, cluster19, depth19; pass1_8 ran at 14e5aad, dzws11 at 5b423b5, tail11 at d4dae26).",
+    "Experiment groups (also: epi, epi_large, epi_small, bwd_variants, epi_next, ws, decode_ws, decode7, small7, mid12, residual7, chunk7, walk10, shards13 (walk10's shards only), ceiling18, chain18, shape19, depth19; groups of removed kernel paths are in git history).",
 )
 # --out (JSON lines output): kernel_timing's flag.
 flags.DEFINE_integer("samples", 9, "Timed samples per experiment.")
@@ -184,15 +184,15 @@ def _pallas_gemm(wg: str, minor: str, width: int, tile_m: int = 128, tile_n: int
 
 def _v(base, name, **kw):
     """A variant of a base config. epilogue_wgs picks the kernel: 0 the chain-in-wgmma kernel,
-    1 or 2 the epilogue-warpgroup kernel (the shared launch fields carry over)."""
+    1 the epilogue-warpgroup kernel (the shared launch fields carry over)."""
     cfg = {"prefill_chain": CHAIN_IN_WGMMA, "decode_chain": DECODE_CHAIN_IN_WGMMA}.get(base) or tuning.BUCKETS[base]
     epi = kw.pop("epilogue_wgs", None)
     if epi == 0:
         return kt.as_wgmma(cfg, name=name, **kw)
+    if epi == 1:
+        return kt.as_ws(cfg, name=name, **kw)
     if epi is not None:
-        if isinstance(cfg, tuning.WsForwardConfig):
-            return dataclasses.replace(cfg, name=name, epilogue_wgs=epi, **kw)
-        return kt.as_ws(cfg, name=name, epilogue_wgs=epi, **kw)
+        raise ValueError(f"epilogue_wgs must be 0 or 1, got {epi}")
     return dataclasses.replace(cfg, name=name, **kw)
 
 
@@ -224,63 +224,19 @@ def main(argv):
             p.kernel("decode", "decode", m, tuning.BUCKETS["decode"])
             # The chain-in-wgmma decode kernel (the decode bucket before the fourth session) and its knobs.
             p.kernel("decode", "decode chain-in-wgmma", m, _v("decode_chain", "d0"))
-            p.kernel("decode", "decode chain-in-wgmma+delay", m, _v("decode_chain", "d1", delay_release=1))
             p.kernel("decode", "decode chain-in-wgmma+st8", m, _v("decode_chain", "d2", max_concurrent_steps=8))
 
     if "decode7" in groups:
         # The decode bucket's weight stream (seventh session, issue 18 item 3: the forward at M <= 64
-        # against the GEMM alone): pipeline depth, 32-wide K slices with deeper pipelines, and two
-        # CTAs per SM (264 CTAs: one split each, no item switch), next to the GEMM alone.
+        # against the GEMM alone): pipeline depth and two CTAs per SM (264 CTAs: one split each,
+        # no item switch), next to the GEMM alone. (32-wide K slices, slower at every M, left the
+        # kernel: docs/PERF_NOTES.md.)
         for m in (1, 8, 64):
             p.kernel("decode7", "decode (st5)", m, tuning.BUCKETS["decode"])
             p.kernel("decode7", "st4", m, _v("decode", "d7s4", max_concurrent_steps=4))
-            for st in (6, 8, 10):
-                p.kernel("decode7", f"tile_k32 st{st}", m, _v("decode", f"d7k{st}", tile_k=32, max_concurrent_steps=st))
             p.kernel("decode7", "2 CTAs/SM st2", m, _v("decode", "d7c2", ctas_per_sm=2, max_concurrent_steps=2))
-            p.kernel(
-                "decode7",
-                "2 CTAs/SM tile_k32 st4",
-                m,
-                _v("decode", "d7c4", ctas_per_sm=2, tile_k=32, max_concurrent_steps=4),
-            )
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("decode7", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
-
-    if "decode15" in groups:
-        # Why rows passed unpadded made the M=1 decode kernel slower (fourteenth session: 316 vs
-        # 280 us under the profiler): the row inputs by TMA on padded rows, hidden with 8 rows
-        # (a 64-row box mostly past the array), both; and a hidden box of 8 rows (the slot's
-        # other rows zeroed once), on padded and on 8-row hidden. All the same bytes.
-        dec = tuning.BUCKETS["decode"]
-        for m in (1, 8):
-            p.kernel("decode15", "decode (padded)", m, dec)
-            p.kernel("decode15", "row_tma, padded", m, dec, row_tma=True)
-            p.kernel("decode15", "hidden 8 rows", m, dec, h_rows=8)
-            p.kernel("decode15", "hidden 8 rows + row_tma (unpadded)", m, dec, h_rows=8, row_rows=8, row_tma=True)
-            p.kernel("decode15", "h box 8, padded", m, dec, h_box_rows=8)
-            p.kernel("decode15", "h box 8, hidden 8 rows", m, dec, h_rows=8, h_box_rows=8)
-            if m == 1:  # a 1-row hidden array (the box's other 7 rows past it)
-                p.kernel("decode15", "h box 8, hidden 1 row", m, dec, h_rows=1, h_box_rows=8)
-            p.kernel(
-                "decode15", "h box 8 + row_tma, all 8 rows", m, dec, h_rows=8, row_rows=8, row_tma=True, h_box_rows=8
-            )
-            p.kernel("decode15", "decode (padded) again", m, dec)
-            sets = [(h, p.w) for h, _ in p.sets(m)]
-            p.generic("decode15", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
-
-    if "stagger15" in groups:
-        # The second wgmma warpgroup a few K slices behind the first (WsForwardConfig.mma_stagger):
-        # at a group's end one copies its accumulator into the hand-off buffer while the other
-        # still runs wgmmas, at the price of lookahead for the leading one (fifteenth session,
-        # built on the CPU; issue 18's forward <= 1.02x at M >= 512). The same bytes.
-        for m in (512, 2048, 4096, 16384):
-            base = "mid" if m <= 2048 else "prefill"
-            p.kernel("stagger15", base, m, tuning.BUCKETS[base])
-            for lag in (1, 2):
-                p.kernel("stagger15", f"{base} stagger {lag}", m, _v(base, f"s15{base}{lag}", mma_stagger=lag))
-            p.kernel("stagger15", f"{base} again", m, tuning.BUCKETS[base])
-            sets = [(h, p.w) for h, _ in p.sets(m)]
-            p.generic("stagger15", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
     if "ceiling18" in groups:
         # Issue 18's forward bar (<= 1.02x the GEMM alone at M >= 512) against what a Pallas Mosaic
@@ -323,42 +279,18 @@ def main(argv):
         # at cuBLAS's time: that GEMM built at our kernel's CTA tile (two warpgroups of 64 x 192:
         # the wgmma N that the Qwen3 split plan's 9-tile splits give, tuning.tiles_per_group) with
         # our pipeline depth (3: the hand-off buffers take the rest of shared memory) and with 4;
-        # next to the shipped bucket, its pipeline alone (chain_stand_ins' one slice) and, at
-        # M <= 2048, the bucket in 2-CTA clusters multicasting the weight (bit-neutral).
+        # next to the shipped bucket and its pipeline alone (chain_stand_ins' one slice).
         for m in (512, 2048, 4096):
             base = tuning.select_bucket(m).name
             p.kernel("shape19", base, m, tuning.BUCKETS[base])
             with chain_stand_ins.replaced_chain(chain_stand_ins.one_slice):
                 p.kernel("shape19", f"{base} one slice, no chain", m, _v(base, f"s19{base}one"))
-            if m <= 2048:
-                p.kernel("shape19", f"{base} cluster 2", m, _v(base, f"s19{base}cl2", cluster=2))
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("shape19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
             for shape in (dict(), dict(tile_m=64, tile_n=192, stages=3), dict(tile_m=64, tile_n=192)):
                 name, fn = _pallas_gemm("M", "M", 4, **shape)
                 p.generic("shape19", name, m, fn, p.dv_sets(m))
             p.kernel("shape19", f"{base} again", m, tuning.BUCKETS[base])
-
-    if "cluster19" in groups:
-        # The mid bucket in 2-CTA clusters multicasting the weight (bit-neutral) looked 3-4% faster than
-        # the shipped mid at M=512 and was slower at 2048 (shape19); where it pays, with the other work
-        # orders and with 32-wide K slices (6 stages in the same shared memory), next to cuBLAS.
-        # (H200, twentieth session: nowhere; the M=512 gain was the shipped lane's own spread.)
-        for m in (384, 512, 768, 1024, 1536):
-            p.kernel("cluster19", "mid", m, tuning.BUCKETS["mid"])
-            p.kernel("cluster19", "mid cluster 2", m, _v("mid", "c19cl2", cluster=2))
-            p.kernel("cluster19", "mid cluster 2 split_group 4", m, _v("mid", "c19cl2g4", cluster=2, split_group=4))
-            p.kernel("cluster19", "mid cluster 2 split_group 1", m, _v("mid", "c19cl2g1", cluster=2, split_group=1))
-            p.kernel(
-                "cluster19",
-                "mid cluster 2 tile_k 32 st6",
-                m,
-                _v("mid", "c19cl2k32", cluster=2, tile_k=32, max_concurrent_steps=6),
-            )
-            p.kernel("cluster19", "mid tile_k 32 st6", m, _v("mid", "c19k32", tile_k=32, max_concurrent_steps=6))
-            sets = [(h, p.w) for h, _ in p.sets(m)]
-            p.generic("cluster19", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
-            p.kernel("cluster19", "mid again", m, tuning.BUCKETS["mid"])
 
     if "depth19" in groups:
         # The mid bucket's pipeline is 3 stages deep (its hand-off buffers take the rest of shared
@@ -381,16 +313,16 @@ def main(argv):
         n_split = C.split_bounds(V_ROWS).n_split
         rng = np.random.default_rng(0)
         variants = [
-            ("rowloop u8", dict(staged=False, unroll=8)),
-            ("staged r32 c64 u32", dict(staged=True, rows=32, chunk=64, unroll=32)),
-            ("staged r32 c64 u8", dict(staged=True, rows=32, chunk=64, unroll=8)),
-            (f"staged r32 c64 u{n_split}", dict(staged=True, rows=32, chunk=64, unroll=n_split)),
-            ("staged r32 c32 u32", dict(staged=True, rows=32, chunk=32, unroll=32)),
-            ("staged r32 c128 u32", dict(staged=True, rows=32, chunk=128, unroll=32)),
-            ("staged r64 c64 u32", dict(staged=True, rows=64, chunk=64, unroll=32)),
+            ("r32 c64 u32", dict(rows=32, chunk=64, unroll=32)),
+            ("r32 c64 u8", dict(rows=32, chunk=64, unroll=8)),
+            (f"r32 c64 u{n_split}", dict(rows=32, chunk=64, unroll=n_split)),
+            ("r32 c32 u32", dict(rows=32, chunk=32, unroll=32)),
+            ("r32 c128 u32", dict(rows=32, chunk=128, unroll=32)),
+            ("r64 c64 u32", dict(rows=64, chunk=64, unroll=32)),
+            ("r8 c64 u32", dict(rows=8, chunk=64, unroll=32)),
         ]
         for m in (1, 64, 4096):
-            n_max = -(-m // sm90_fold.FOLD_ROWS) * sm90_fold.FOLD_ROWS
+            n_max = -(-m // 64) * 64  # (a multiple of every variant's rows)
             mt = jnp.asarray(rng.normal(0, 3, (n_split, n_max)), F32)
             st = jnp.asarray(rng.uniform(1, 40, (n_split, n_max)), F32)
             zt = jnp.asarray(rng.normal(0, 3, (n_max,)), F32)
@@ -423,7 +355,7 @@ def main(argv):
                 elif not all(kt.bits_equal(a, b) for a, b in zip(out, ref)):
                     p.record("fold", name, m, {"error": f"bits differ from {variants[0][0]}"})
             # The whole fold as callers run it (row padding included), on [n_split, m].
-            for name, knobs in (("fold_transposed staged", {}), ("fold_transposed rowloop", dict(staged=False))):
+            for name, knobs in (("fold_transposed", {}), ("fold_transposed rows 8", dict(rows=8))):
                 f = jax.jit(
                     lambda a, b, c, d, e, knobs=knobs: sm90_fold.fold_transposed(a, b, c, d, e, V_REAL, **knobs)
                 )
@@ -432,18 +364,14 @@ def main(argv):
     if "small" in groups:
         for m in (256,):
             p.kernel("small", "small", m, tuning.BUCKETS["small"])
-            p.kernel("small", "small+delay", m, _v("small", "s1", delay_release=1))
-            p.kernel("small", "small+delay+st6", m, _v("small", "s2", delay_release=1, max_concurrent_steps=6))
+            p.kernel("small", "small+st6", m, _v("small", "s2", max_concurrent_steps=6))
 
     if "prefill" in groups:
         m = 4096
         p.kernel("prefill", "prefill", m, CHAIN_IN_WGMMA)
-        p.kernel("prefill", "+delay", m, _v("prefill_chain", "p1", delay_release=1))
-        p.kernel("prefill", "+delay+g4", m, _v("prefill_chain", "p2", delay_release=1, split_group=4))
-        p.kernel("prefill", "+delay+g8", m, _v("prefill_chain", "p3", delay_release=1, split_group=8))
-        p.kernel("prefill", "+delay+g16", m, _v("prefill_chain", "p4", delay_release=1, split_group=16))
-        p.kernel("prefill", "+delay+st4", m, _v("prefill_chain", "p5", delay_release=1, max_concurrent_steps=4))
-        # (+delay+3wg, three consumer warpgroups, is gone: WgmmaForwardConfig refuses num_compute_wgs=3.)
+        p.kernel("prefill", "+g8", m, _v("prefill_chain", "p3", split_group=8))
+        p.kernel("prefill", "+g16", m, _v("prefill_chain", "p4", split_group=16))
+        p.kernel("prefill", "+st4", m, _v("prefill_chain", "p5", max_concurrent_steps=4))
         sets = [(h, p.w) for h, _ in p.sets(m)]
         p.generic("prefill", "gemm-bf16", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
@@ -451,7 +379,6 @@ def main(argv):
         m = 4096
         p.kernel("epi", "new", m, CHAIN_IN_WGMMA)
         p.kernel("epi", "new+g8", m, _v("prefill_chain", "p7", split_group=8))
-        p.kernel("epi", "new+delay", m, _v("prefill_chain", "p1", delay_release=1))
         p.kernel("epi", "new st4", m, _v("prefill_chain", "p8", max_concurrent_steps=4))
         p.kernel("epi", "new st6", m, _v("prefill_chain", "p9", max_concurrent_steps=6))
 
@@ -485,40 +412,18 @@ def main(argv):
     if "ws" in groups:
         # Dedicated epilogue warpgroup (sm90_forward_ws): the chain of group g runs while the
         # wgmma warpgroups compute group g+1. Bytes are checked against the shipped bucket.
+        # (The automatic warpgroup barriers and 32-wide K slices, slower, left the kernel:
+        # docs/PERF_NOTES.md.)
         base = tuning.BUCKETS["prefill"]
-        ws = lambda name, **kw: _v("prefill", name, epilogue_wgs=1, **kw)
-        m = 4096
-        p.kernel("ws", "prefill", m, base)
-        p.kernel("ws", "ws1 tk64", m, ws("ws1"))
-        p.kernel("ws", "ws1 tk64 auto_barriers", m, ws("ws1ab", auto_barriers=True))
-        for st in (4, 6):
-            p.kernel("ws", f"ws1 tk32 st{st}", m, ws(f"ws1k32s{st}", tile_k=32, max_concurrent_steps=st))
-        for g in (0, 8):
-            p.kernel("ws", f"ws1 tk32 st6 g{g}", m, ws(f"ws1k32g{g}", tile_k=32, max_concurrent_steps=6, split_group=g))
-        for m in (16384, 1024):
+        chain = kt.as_wgmma(base, name="prefill-chain3")
+        for m in (4096, 16384, 1024):
             p.kernel("ws", "prefill", m, base)
-            p.kernel("ws", "ws1 tk64", m, ws("ws1"))
-            p.kernel("ws", "ws1 tk32 st6", m, ws("ws1k32s6", tile_k=32, max_concurrent_steps=6))
+            p.kernel("ws", "chain in the wgmma warpgroups", m, chain)
+            for g in (0, 8):
+                p.kernel("ws", f"prefill g{g}", m, _v("prefill", f"wsg{g}", split_group=g))
         m = 4096
         p.kernel("ws", "prefill serving", m, base, return_logits=True)
-        p.kernel("ws", "ws1 tk64 serving", m, ws("ws1"), return_logits=True)
-        p.kernel("ws", "ws1 tk32 st6 serving", m, ws("ws1k32s6", tile_k=32, max_concurrent_steps=6), return_logits=True)
-
-    if "cluster" in groups:
-        # TMA multicast of the weight K slices over 2-CTA clusters (half the L2->SMEM
-        # weight traffic per CTA). Bytes of every variant vs the shipped prefill config.
-        c2 = _v("prefill", "c2", cluster=2)
-        for m in (4096, 16384):
-            p.kernel("cluster", "prefill", m, tuning.BUCKETS["prefill"])
-            p.kernel("cluster", "cluster2", m, c2)
-        m = 4096
-        for g in (0, 2, 8):
-            p.kernel("cluster", f"cluster2 g{g}", m, _v("prefill", f"c2g{g}", cluster=2, split_group=g))
-        p.kernel("cluster", "prefill serving", m, tuning.BUCKETS["prefill"], return_logits=True)
-        p.kernel("cluster", "cluster2 serving", m, c2, return_logits=True)
-        for m in (640, 4160):  # an odd number of 128-row blocks: the cluster pads one more
-            p.kernel("cluster", "prefill", m, tuning.BUCKETS["prefill"])
-            p.kernel("cluster", "cluster2", m, c2)
+        p.kernel("ws", "chain in the wgmma warpgroups serving", m, chain, return_logits=True)
 
     if "decode_ws" in groups:
         # The epilogue-warpgroup kernel for the decode and small buckets: the chain runs beside
@@ -550,20 +455,14 @@ def main(argv):
     if "large" in groups:
         m = 16384
         p.kernel("large", "prefill", m, CHAIN_IN_WGMMA)
-        p.kernel("large", "+delay", m, _v("prefill_chain", "p1", delay_release=1))
-        p.kernel("large", "+delay+g8", m, _v("prefill_chain", "p3", delay_release=1, split_group=8))
-        p.kernel("large", "+delay+g16", m, _v("prefill_chain", "p4", delay_release=1, split_group=16))
+        p.kernel("large", "+g8", m, _v("prefill_chain", "p3", split_group=8))
+        p.kernel("large", "+g16", m, _v("prefill_chain", "p4", split_group=16))
 
     if "serving" in groups:
         m = 4096
         p.kernel("serving", "slots1", m, _v("prefill_chain", "l1", logits_slots=1), return_logits=True)
         p.kernel("serving", "slots2", m, _v("prefill_chain", "l2", logits_slots=2), return_logits=True)
-        p.kernel(
-            "serving", "delay+slots2", m, _v("prefill_chain", "l3", delay_release=1, logits_slots=2), return_logits=True
-        )
-        p.kernel(
-            "serving", "delay+slots3", m, _v("prefill_chain", "l4", delay_release=1, logits_slots=3), return_logits=True
-        )
+        p.kernel("serving", "slots3", m, _v("prefill_chain", "l4", logits_slots=3), return_logits=True)
 
     def bwd_setup(m):
         """Backward inputs at M rows: arg sets (h, W, t), a fixed lse, unit inv_t / g_logp."""
@@ -579,7 +478,6 @@ def main(argv):
             p.kernel("small7", "ws small st3", m, _v("small", "s7w3", epilogue_wgs=1, max_concurrent_steps=3))
             p.kernel("small7", "small g4", m, _v("small", "s7g4", split_group=4))
             p.kernel("small7", "prefill g0", m, _v("prefill", "s7p0", split_group=0))
-            p.kernel("small7", "prefill cluster2", m, _v("prefill", "s7c2", cluster=2))
             sets = [(h, p.w) for h, _ in p.sets(m)]
             p.generic("small7", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
 
@@ -635,24 +533,6 @@ def main(argv):
             "residual7", "gemm (forward)", m, jax.jit(lambda h, w: baselines.gemm(h, w)), [(a[0], w) for a in arg_sets]
         )
 
-    if "handoff8" in groups:
-        # The ws kernel's hand-off layouts (WsForwardConfig.handoff; issue 18 items 2-3): the
-        # shipped buckets (two swizzled [bm, 32] halves per tile, 8 slices per step since the
-        # ninth session) against the eight-slice layout they replaced (2 slices per step) and the
-        # swizzled one with 4; same bytes required. (At 15f885d, where it ran first, the
-        # shipped layout was the eight-slice one and the variants swizzled with 4 and 8.)
-        for base, ms in (("prefill", (4096, 16384, 512)), ("decode", (1, 64))):
-            for m in ms:
-                entries = (False, True) if m in (4096, 1) else (False,)
-                for logits in entries:
-                    tag = " serving" if logits else ""
-                    p.kernel("handoff8", f"{base}{tag}", m, tuning.BUCKETS[base], return_logits=logits)
-                    for handoff, sps in (("slices", 2), ("swizzled", 4)):
-                        cfg = _v(base, f"{base}_{handoff}{sps}", handoff=handoff, epilogue_slices=sps)
-                        p.kernel("handoff8", f"{base} {handoff} sps{sps}{tag}", m, cfg, return_logits=logits)
-                sets = [(h, p.w) for h, _ in p.sets(m)]
-                p.generic("handoff8", "gemm", m, jax.jit(lambda h, w: baselines.gemm(h, w)), sets)
-
     if "chunk7" in groups:
         # The recompute backward's vocab chunk (issue 18 item 4: temp memory at M=4096 within 1.1x
         # of hidden + weight + gradients; 1.14x at 8192, the default until the eighth session): time and compiled
@@ -687,30 +567,6 @@ def main(argv):
                 except Exception as e:  # keep timing without the figure
                     temp_mb = f"{type(e).__name__}: {e}"[:200]
                 p.generic("chunk7", f"fused dz chunk{chunk} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
-        m = 4096
-        arg_sets, lse, ones = bwd_setup(m)
-        # The same through linear_logp's fwd+bwd (the runner's recompute lane: its temp_MB is what
-        # the 1.1x bar reads), with grad.backward's default chunk swapped for the run.
-        defaults = grad.backward.__kwdefaults__
-        shipped = defaults["chunk"]
-        try:
-            for chunk in (4096, 8192):
-                defaults["chunk"] = chunk
-                jax.clear_caches()  # the op's inner jits keep their traces (of the other chunk) otherwise
-
-                def loss(h, w, t):
-                    return jnp.sum(api.linear_logp(h, w, t, vocab_size=V_REAL, backend="pallas_sm90").logp)
-
-                f = jax.jit(jax.grad(loss, argnums=(0, 1)))
-                try:
-                    mem = f.lower(*arg_sets[0]).compile().memory_analysis()
-                    temp_mb = getattr(mem, "temp_size_in_bytes", 0) / 2**20
-                except Exception as e:
-                    temp_mb = f"{type(e).__name__}: {e}"[:200]
-                p.generic("chunk7", f"linear_logp fwd+bwd chunk{chunk} (temp_MB={temp_mb})", m, f, arg_sets, calls=2)
-        finally:
-            defaults["chunk"] = shipped
-            jax.clear_caches()
 
     if "walk10" in groups or "shards13" in groups:
         # shards13 (thirteenth session): only the tensor-parallel shards at the end of this group
@@ -734,7 +590,7 @@ def main(argv):
         # "m" 23.90 / 96.22 ms vs none 24.29 / 96.89, "n" 24.34 / 96.78, 0 rows differing; "m" is
         # shipped since. The fifth (h200_2026-12-02b/call1_probe_walk10.log): the exact last chunk
         # 23.47 / 92.86 vs clamped 23.83 / 95.50, chunk 16384 23.04 / 91.63 (shipped since), dW
-        # out_slots 4 no faster. Now: the shipped walk (cluster "m", chunk 16384, last chunk exact)
+        # out_slots 4 no faster. Now: the shipped walk (clusters, chunk 16384, last chunk exact)
         # against no cluster and the last chunk clamped as before; then tensor-parallel shards
         # whose last chunk the kernels do not tile (rounded up vs clamped).
         from pallas_kernels import sm90_grad_gemm
@@ -754,7 +610,7 @@ def main(argv):
         variants = [("in_place", entry, shipped), ("slices", slices, grad.DEFAULT_CHUNK)]
         # (the column-adjacent cluster pair and dW's whole tile of staging boxes, slower or no
         # faster in the fourth and fifth runs, are left out)
-        variants += [("in_place cluster None", with_cluster(None), shipped)]
+        variants += [("in_place no cluster", with_cluster(False), shipped)]
         # (One wgmma group in flight per consumer warpgroup, delay_release 1 in both GEMMs, the dz
         # kernel, all three, timed in the sixth run, h200_2026-12-02c/call1_probe_walk10.log: the
         # GEMMs 22.82 / 90.98 ms vs 23.14 / 90.64 with dh bytes moved in 26 / 203 rows, the dz

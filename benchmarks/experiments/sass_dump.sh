@@ -1,7 +1,7 @@
 #!/bin/bash
 # Dumps PTX, ptxas report and SASS of the prefill forward kernel (GPU machine).
 # Usage (on the GPU machine): bash benchmarks/experiments/sass_dump.sh <out_dir>
-# Env: EPILOGUE_WGS, as for dump_ptxas.sh.
+# Env: CHAIN_IN_WGMMA, as for dump_ptxas.sh.
 set -u
 out=${1:-/tmp/sass}
 mkdir -p "$out/mosaic"

@@ -37,24 +37,13 @@ flags.DEFINE_enum("mode", "fwd", list(cases.MODES), "fwd or fwd_bwd.")
 flags.DEFINE_bool(
     "entropy",
     False,
-    "Trace the case with return_entropy=True (pallas_sm90 before its flip: tests/gpu/with_entropy.py).",
+    "Trace the case with return_entropy=True.",
 )
 flags.DEFINE_enum("residuals", "recompute", list(cases.RESIDUALS), "--mode fwd_bwd: linear_logp(residuals=...).")
 flags.DEFINE_integer("calls", 20, "Traced back-to-back calls (after 3 warmup calls).")
 flags.DEFINE_integer("top", 25, "Rows of the table.")
 flags.DEFINE_string("trace_dir", None, "Keep the raw trace here (default: a temporary directory).")
 flags.DEFINE_string("json", None, "Write the summary as JSON to this path.")
-flags.DEFINE_bool(
-    "single_launch",
-    False,
-    "pallas_sm90: set tuning.SINGLE_LAUNCH in this process (the decode forward and its fold in one kernel).",
-)
-flags.DEFINE_bool(
-    "unpadded",
-    None,
-    "pallas_sm90: set tuning.UNPADDED_ROWS to this in this process (a decode call's rows passed without "
-    "pads: --unpadded, with pads: --nounpadded); unset: the shipped default.",
-)
 
 
 def main(argv):
@@ -71,18 +60,6 @@ def main(argv):
     why = cases.unavailable_reason(FLAGS.backend)
     if why:
         raise SystemExit(f"{FLAGS.backend}: {why}")
-    if FLAGS.single_launch:
-        if FLAGS.backend != "pallas_sm90":
-            raise SystemExit(f"--single_launch is pallas_sm90's option, not {FLAGS.backend}'s")
-        from pallas_kernels import tuning
-
-        tuning.SINGLE_LAUNCH = True  # (this process only; read when the call is traced)
-    if FLAGS.unpadded is not None:
-        if FLAGS.backend != "pallas_sm90":
-            raise SystemExit(f"--[no]unpadded is pallas_sm90's option, not {FLAGS.backend}'s")
-        from pallas_kernels import tuning
-
-        tuning.UNPADDED_ROWS = FLAGS.unpadded  # (this process only; read when the call is traced)
     fn = jax.jit(cases.build(spec))
     weight = cases.make_weight(shape, jnp.bfloat16, seed=0)  # the inputs `benchmarks.run` times
     [(hidden, targets)] = cases.make_inputs(shape, jnp.bfloat16, 0, FLAGS.m)
@@ -99,8 +76,6 @@ def main(argv):
         backend=FLAGS.backend,
         entry=FLAGS.entry,
         mode=FLAGS.mode,
-        single_launch=FLAGS.single_launch,
-        unpadded=FLAGS.unpadded,
         device=str(jax.devices()[0].device_kind),
         trace_dir=trace_dir,
     )

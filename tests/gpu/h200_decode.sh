@@ -11,35 +11,21 @@
 #   overhead  (not in the default set) benchmarks.experiments.call_overhead --m 1,64: the trainer, the
 #             GEMM alone, the forward on pre-padded rows and the kernel alone, 10 and 100 calls per sync
 #   trace     benchmarks.experiments.trace_calls at M = 1: pallas_sm90 (with and without the entropy;
-#             TRACE_ENTROPY=0 leaves that one out; TRACE_SINGLE=1 adds the decode single launch) and the
-#             GEMM alone, per-kernel device time
+#             TRACE_ENTROPY=0 leaves that one out) and the GEMM alone, per-kernel device time
 #   golden    (not in the default set) the packaged golden records replay (python -m detlogp_jax.golden)
-#   decodefold (not in the default set) the golden replay, the fused-forward test at M=1 (every bucket)
-#             and an M=1 trace with tuning.DECODE_FOLD = FoldConfig(rows=$DECODE_FOLD_ROWS) set in the
-#             process (tests/gpu/with_decode_fold.py; default 8, the shipped value since the
-#             twenty-second session; 16 or 32, the fold before it, to check or time another count)
 #   unpadded  (not in the default set) tests/gpu/test_pallas_gpu.py -k unpadded_rows: pk.forward with N
 #             rows passed unpadded == the padded launch, M = 1, 3, 13, 40 (decode: scalar row loads, an
-#             N-row hidden box, the fold's scalar rows) and 300 (mid: TMA's zero fill); UNPADDED_LIMIT_S
+#             N-row hidden box, the fold's scalar rows); UNPADDED_LIMIT_S
 #   probe     (not in the default set) benchmarks.experiments.probe_kernel --groups $PROBE_GROUPS
-#             (default decode7: decode kernel variants, pipeline depth, tile_k 32, two CTAs per SM,
-#             next to the GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's
-#             pieces at M = 4096; chunk7: the recompute backward's time and temp bytes per vocab chunk;
-#             handoff8: the shipped ws buckets (swizzled hand-off) vs the eight-slice layout, trainer and serving;
-#             decode15: the decode kernel with unpadded rows / an 8-row hidden box; stagger15: the
-#             prefill / mid kernel with staggered wgmma warpgroups, M = 512 .. 16384, PROBE_LIMIT_S=300;
+#             (default decode7: decode kernel variants, pipeline depth, two CTAs per SM, next to the
+#             GEMM alone; small7: M = 128..1024 configs; residual7: the residual backward's pieces at
+#             M = 4096; chunk7: the recompute backward's time and temp bytes per vocab chunk;
 #             ceiling18: the shipped bucket's kernel alone, cuBLAS and JAX's Pallas Hopper GEMM (no
 #             epilogue) at M = 512 .. 16384, PROBE_LIMIT_S=330; chain18: the kernel with its chain replaced by pass 1 only /
 #             one slice read / both passes without the exp (timing only), M = 1 .. 16384, PROBE_LIMIT_S=420;
-#             shape19: JAX's Pallas GEMM at the kernel's CTA tile (2 x 64 x 192, 3 / 4 stages), the mid bucket
-#             in 2-CTA clusters, M = 512 .. 4096, PROBE_LIMIT_S=420; cluster19: the mid bucket in 2-CTA clusters,
-#             other work orders, 32-wide K slices, M = 384 .. 1536; depth19: one 64-row wgmma warpgroup per CTA
-#             (5 stages) at M = 512, 1024; pass1_8 is at 14e5aad)
-#   single    (not in the default set) benchmarks.experiments.single_launch_check: the decode single
-#             launch (pk.forward(single_launch=True)) vs two launches, each check in its own process
-#             under SINGLE_LIMIT_S (default 80) so that a hang is reported; then, if SINGLE_PYTEST=1,
-#             tests/gpu/test_pallas_gpu.py -k single_launch (M = 1, 64 in every ws bucket, M = 300 in its own; twice),
-#             and if SINGLE_TIME=1, benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single
+#             shape19: JAX's Pallas GEMM at the kernel's CTA tile (2 x 64 x 192, 3 / 4 stages),
+#             M = 512 .. 4096, PROBE_LIMIT_S=420; depth19: one 64-row wgmma warpgroup per CTA
+#             (5 stages) at M = 512, 1024)
 #   fused     (not in the default set; last, so that it gets what is left of a call) tests/gpu/
 #             test_pallas_gpu.py -k fused_forward: pk.forward == partials + fold bytes at the Qwen3-8B
 #             head, M = 1, 65, 4096, every bucket, and linear_logp (~2 min per M; FUSED_K=M4096 selects one)
@@ -50,12 +36,6 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu -
 STAGES=",${DECODE_STAGES:-main,fold,entropy,fwd,trace},"
 if [[ $STAGES == *,golden,* ]]; then
   TAILN=10 stage golden_packaged 150 python3 -m detlogp_jax.golden --backend pallas_sm90
-fi
-if [[ $STAGES == *,decodefold,* ]]; then
-  WDF="python3 tests/gpu/with_decode_fold.py -m"
-  TAILN=10 stage golden_decode_fold 150 $WDF detlogp_jax.golden --backend pallas_sm90
-  TAILN=8 stage pytest_fused_m1_decode_fold 300 $WDF pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward and M1"
-  TAILN=16 stage trace_m1_decode_fold 60 $WDF benchmarks.experiments.trace_calls --shape qwen3_8b --m 1 --calls 20 --backend pallas_sm90 --json "$OUT/trace_m1_decode_fold.json"
 fi
 if [[ $STAGES == *,unpadded,* ]]; then
   TAILN=8 stage pytest_unpadded ${UNPADDED_LIMIT_S:-330} python3 -m pytest -v -x -rw tests/gpu/test_pallas_gpu.py -k unpadded_rows
@@ -81,23 +61,10 @@ if [[ $STAGES == *,trace,* ]]; then
   if [[ ${TRACE_ENTROPY:-1} == 1 ]]; then
     TAILN=16 stage trace_m1_pallas_entropy 60 $TRACE --backend pallas_sm90 --entropy --json "$OUT/trace_m1_pallas_entropy.json"
   fi
-  if [[ ${TRACE_SINGLE:-0} == 1 ]]; then
-    TAILN=16 stage trace_m1_pallas_single 60 $TRACE --backend pallas_sm90 --single_launch --json "$OUT/trace_m1_pallas_single.json"
-  fi
   TAILN=8 stage trace_m1_gemm 60 $TRACE --backend gemm --json "$OUT/trace_m1_gemm.json"
 fi
 if [[ $STAGES == *,probe,* ]]; then
   TAILN=40 stage "probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _)" ${PROBE_LIMIT_S:-200} python3 -m benchmarks.experiments.probe_kernel --groups ${PROBE_GROUPS:-decode7} --samples 7 --budget_s $(( ${PROBE_LIMIT_S:-200} - 30 )) --out "$OUT/probe_$(echo "${PROBE_GROUPS:-decode7}" | tr , _).jsonl"
-fi
-if [[ $STAGES == *,single,* ]]; then
-  SL=${SINGLE_LIMIT_S:-80}
-  TAILN=12 stage single_launch_check $((SL * 6 + 30)) python3 -m benchmarks.experiments.single_launch_check --limit_s "$SL" ${SINGLE_CHECKS:+--checks "$SINGLE_CHECKS"} --out "$OUT/single_launch_check.jsonl"
-  if [[ ${SINGLE_PYTEST:-0} == 1 ]]; then
-    TAILN=6 stage pytest_single_launch 400 python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k single_launch
-  fi
-  if [[ ${SINGLE_TIME:-0} == 1 ]]; then
-    TAILN=12 stage single_launch_time 200 python3 -m benchmarks.experiments.call_overhead --m 1,64 --lanes gemm,padded,single --samples 9 --out "$OUT/single_launch_time.jsonl"
-  fi
 fi
 if [[ $STAGES == *,fused,* ]]; then
   TAILN=8 stage pytest_fused_forward ${FUSED_LIMIT_S:-400} python3 -m pytest -q -x -rw tests/gpu/test_pallas_gpu.py -k "fused_forward${FUSED_K:+ and ($FUSED_K)}"

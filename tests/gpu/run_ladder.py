@@ -24,7 +24,7 @@ Stages (each catches its own exceptions, so one failure does not hide the rest):
      probe rows alone (dv, M=1) vs inside batches (every bucket at 4096, an M
      sweep), and the dv probes alone == the vd probes alone.
   F  the entropy statistic (linear-logp-entropy-v1; the kernels called directly with
-     return_entropy=True / fold(a=A), what pallas_kernels.backend.ENTROPY_VALIDATED waits for):
+     return_entropy=True / fold(a=A); the validation the registry entry's entropy rests on):
      F1 (m, S, A) per split and (logp, lse, entropy) == the oracle's from the kernel's
      own logits at M=1/300/4096 and with bias + per-row T at M=65; return_entropy off
      changes no m/S/z_t/logp/lse/logits byte; trainer == serving; F2 batch invariance of

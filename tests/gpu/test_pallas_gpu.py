@@ -103,8 +103,8 @@ def _nan_canonical(x):
 @pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264, 455])
 def test_fold_layouts_equal_oracle(n_split):
     """On the GPU the fold's pinned PTX equals oracle.fold bit for bit (NaN
-    payloads aside): every layout / knob of sm90_fold (staged groups of 32 or
-    64 rows, chunk sizes, chain unrolls, the row-per-thread loop) on edge rows,
+    payloads aside): every knob of sm90_fold (groups of 8, 32 or 64 rows, chunk sizes,
+    chain unrolls) on edge rows,
     split counts that are not multiples of the groups or chunks, rows over
     several CTAs; all layouts give the same bytes, NaNs included; a row alone
     gives the bytes it has in the batch."""
@@ -116,14 +116,14 @@ def test_fold_layouts_equal_oracle(n_split):
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     variants = [
         {},
-        dict(staged=False),
+        dict(rows=8),
         dict(chunk=4, unroll=8),
         dict(chunk=128, unroll=n_split),
         dict(rows=64, chunk=6, unroll=5),
     ]
     ref = None
     for knobs in variants:
-        if knobs.get("rows") == 64 and not sm90_fold.staged_fits(n_split, 64):
+        if not sm90_fold.staged_fits(n_split, knobs.get("rows", 32)):
             continue
         logp, lse = (np.asarray(x) for x in sm90_fold.fold(m, s, z_t, t, inv_t, v, **knobs))
         assert_bitwise_equal(_nan_canonical(logp), _nan_canonical(rl), f"logp {knobs}")
@@ -268,7 +268,7 @@ def test_dv_layout_gives_the_vd_bytes_at_the_qwen_shape(m):
 
 # --- the entropy statistic (linear-logp-entropy-v1) in the kernels ------------------------------
 # Called through pk.partials(..., return_entropy=True) / pk.fold(..., a=A) directly, not through the
-# registry (these are what pallas_kernels.backend.ENTROPY_VALIDATED waited for on the H200).
+# registry (the H200 validation the registry entry's entropy declaration rests on).
 
 
 def _same_or_zero_signs(a, b, what):
@@ -381,12 +381,11 @@ def test_entropy_at_the_qwen_shape(m):
 FOLD_RANDOM_ROWS = 4096  # random rows of the fold test next to the edge rows
 
 
-@pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264, 455, 600])
+@pytest.mark.parametrize("n_split", [1, 7, 9, 37, 264, 455])
 def test_fold_entropy_layouts_equal_oracle(n_split):
     """On the GPU the fold with A (the A terms, the two-sum chain, h = plog(S) - A * rcp(S) with
     rcp = div.rn.ftz.f32) equals oracle.fold / oracle.fold_entropy bit for bit (NaN payloads aside),
-    every layout and knob (n_split = 455 / 600: the staged layout does not fit A at rows = 64 / 32
-    and falls back), edge rows, and 4096 random rows (S_j in [1, 1.2e6], folded S up to ~1e8); all
+    every knob that fits the split count (n_split = 455: A does not fit at rows = 64), edge rows, and 4096 random rows (S_j in [1, 1.2e6], folded S up to ~1e8); all
     layouts give the same bytes; a row alone gives its bytes in the batch."""
     from pallas_kernels import sm90_fold
     from tests.pallas_cases import entropy_fold_problem
@@ -404,17 +403,18 @@ def test_fold_entropy_layouts_equal_oracle(n_split):
     inv_t = np.concatenate([inv_t, oracle.inv_temperature(rng.uniform(0.3, 2, nr).astype(np.float32), nr)])
     rl, rs = oracle.fold(m, s, z_t, t, inv_t, v)
     rh = oracle.fold_entropy(m, s, a)
-    # Fully unrolled where the plan's split counts are (<= 264); at 455 / 600 a 64-split trip with a
-    # remainder (a 600-split unroll of both row-loop passes takes minutes to compile).
+    # Fully unrolled where the plan's split counts are (<= 264); at 455 a 64-split trip with a remainder.
     variants = [
         {},
-        dict(staged=False),
+        dict(rows=8),
         dict(chunk=4, unroll=8),
         dict(chunk=128, unroll=n_split if n_split <= 264 else 64),
+        dict(rows=64, chunk=6, unroll=5),
     ]
-    variants.append(dict(rows=64, chunk=6, unroll=5))
     ref = None
     for knobs in variants:
+        if not sm90_fold.staged_fits(n_split, knobs.get("rows", 32), entropy=True):
+            continue
         logp, lse, ent = (np.asarray(x) for x in sm90_fold.fold(m, s, z_t, t, inv_t, v, a=a, **knobs))
         assert_bitwise_equal(_nan_canonical(logp), _nan_canonical(rl), f"logp {knobs}")
         assert_bitwise_equal(_nan_canonical(lse), _nan_canonical(rs), f"lse {knobs}")
@@ -485,41 +485,14 @@ def test_fused_forward_equals_partials_and_fold_at_the_qwen_shape(m):
                 assert_bitwise_equal(got, _nan_canonical(ref[k]), f"linear_logp {k} {lay} M={m}")
 
 
-@pytest.mark.parametrize("m", [1, 64, 300], ids=lambda m: f"M{m}")
-def test_single_launch_equals_two_launches_at_the_qwen_shape(m):
-    """pk.forward(single_launch=True) (the forward kernel's last CTA folds after a grid semaphore;
-    off by default) == the default two launches byte for byte at the Qwen3-8B head, every
-    epilogue-warpgroup bucket (the others fall back to two launches), with bias and per-row T,
-    with and without the entropy, twice (a race in the semaphore's ordering would show as a
-    difference between calls). Run `benchmarks.experiments.single_launch_check` first: a hang
-    there is reported under a time limit, here it would stop the file. Above M=64 only the bucket
-    that serves M: the kernel emits the fold once per 32-row block of real rows, so every bucket
-    at M=300 took over 330 s on the H200 (twentieth session; one bucket's two paths compiled in 70.5 s)."""
-    w, _, b_full = _qwen_head()
-    h, _, tj, itj = _qwen_rows(m, seed=500 + m)
-    kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS)
-    ws = sorted(b for b, c in tuning.BUCKETS.items() if isinstance(c, tuning.WsForwardConfig))
-    for bucket in ws if m <= 64 else [tuning.select_bucket(m).name]:
-        for bias, ent in ((b_full, True), (None, False)):
-            want = pk.forward(h, w, bias, tj, itj, bucket=bucket, return_entropy=ent, **kw)
-            for call in (1, 2):
-                got = pk.forward(h, w, bias, tj, itj, bucket=bucket, return_entropy=ent, single_launch=True, **kw)
-                what = f"M={m} bucket={bucket} entropy={ent} call {call}"
-                for i, k in ((0, "logp"), (1, "lse")) + (((3, "entropy"),) if ent else ()):
-                    assert_bitwise_equal(
-                        _nan_canonical(np.asarray(got[i])), _nan_canonical(np.asarray(want[i])), f"{k} {what}"
-                    )
-
-
-@pytest.mark.parametrize("m", [1, 3, 13, 40, 300], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("m", [1, 3, 13, 40], ids=lambda m: f"M{m}")
 def test_unpadded_rows_equal_padded_rows_at_the_qwen_shape(m):
     """pk.forward with its N rows passed unpadded == the padded launch (unpadded=False) byte for
     byte: logp, lse, entropy and the logits, with bias and per-row T; targets at the vocab's first
     and last real column and at the last row. M <= 64 (decode bucket, [V, D] and [D, V]): the
     forward kernel reads the [N] targets / inv_t by scalar loads and hidden (N rows; 16 at M=13)
     with a box of N rounded up to 8 rows, the fold reads and writes [N] by scalar loads and
-    stores (M=40: two fold row blocks, the second partly past N). M=300 (mid bucket): N rounded
-    up to 8 rows by TMA (row_tma), zero-filled past them."""
+    stores (M=40: two fold row blocks, the second partly past N)."""
     w, k_dv, b_full = _qwen_head()
     rng = np.random.default_rng(700 + m)
     h = jnp.asarray(rng.standard_normal((m, QWEN_D)), jnp.bfloat16)
@@ -529,8 +502,7 @@ def test_unpadded_rows_equal_padded_rows_at_the_qwen_shape(m):
     tj, itj = jnp.asarray(t), jnp.asarray(oracle.inv_temperature(temp, m))
     kw = dict(vocab_size=QWEN_VOCAB, padded_vocab_size=QWEN_V_ROWS, return_entropy=True, return_logits=True)
     kw["logits_cols"] = QWEN_VOCAB
-    cases = (("decode", w, "vd"), ("decode", k_dv, "dv")) if m <= 64 else (("mid", w, "vd"),)
-    for bucket, weight, layout in cases:
+    for bucket, weight, layout in (("decode", w, "vd"), ("decode", k_dv, "dv")):
         outs = [
             pk.forward(h, weight, b_full, tj, itj, bucket=bucket, weight_layout=layout, unpadded=u, **kw)
             for u in (True, False)
