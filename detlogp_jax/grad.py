@@ -91,18 +91,15 @@ from detlogp_jax.layout import VD, WeightLayout, as_layout
 # Bit-neutral for the forward; fixes the backward's sums. The chunk length, when the caller
 # gives none, is a function of the walk (so of the head's shape and the backend), never of the
 # row count: a row's dh bytes do not depend on its batch.
-# The slice walk (XLA's GEMMs on weight-chunk copies): 4096 since the eighth session: the compiled
-# fwd+bwd program's temp memory at M=4096 on the Qwen3-8B head is 234.9 MB, 1.092x hidden + weight
-# + their gradients (8192: 320.1 MiB, 1.13x), for ~0.8 ms more fwd+bwd (H200:
-# h200_2026-12-01d/call3_fwd_bwd_recompute.json, h200_2026-12-01e/call1_probe_handoff8_chunk7.log).
+# The slice walk (XLA's GEMMs on weight-chunk copies): the compiled fwd+bwd program's temp memory
+# at M=4096 on the Qwen3-8B head is 1.09x hidden + weight + their gradients with 4096 (1.13x with
+# 8192), for ~0.8 ms more fwd+bwd on the H200 (docs/PERFORMANCE.md).
 DEFAULT_CHUNK = 4096
 # A backend's in-place walk (`backends.InPlaceWalk`: no chunk copies, so its temp memory is the dz
-# chunk and dh): 16384 since the twelfth session. The backward alone on the Qwen3-8B head with the
-# exact last chunk (H200, h200_2026-12-02b/call1_probe_walk10.log): M=4096 23.04 ms / 192.1 MiB temp
-# (8192: 23.47 / 128.1; 12288: 23.16 / 160.1), M=16384 91.63 / 768.3 (8192: 92.86 / 512.3; 12288:
-# 91.76 / 640.3); dh and dW 0 rows differing across the three (dh's tiles start from the old tile
-# and walk K in column order, so the chunk does not enter the sums). The fwd+bwd program's temp at
-# M=4096 stays within 1.1x of hidden + weight + their gradients (README "Training step").
+# chunk and dh): the backward alone on the Qwen3-8B head at M=4096 takes 23.04 ms / 192 MiB temp
+# with 16384 (8192: 23.47 / 128; 12288: 23.16 / 160), and dh and dW have the same bytes for the
+# three (dh's tiles start from the old tile and walk K in column order, so the chunk does not
+# enter the sums): `benchmarks/results/h200/training_step/backward_walk.log`.
 IN_PLACE_CHUNK = 16384
 
 

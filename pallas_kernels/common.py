@@ -170,7 +170,7 @@ def gather_rows(ref, base, n_rows: int, length: int, fill, layout, interpret: bo
     One scalar load per position (every thread loads the same word; the index is clamped to
     n_rows - 1, so no read leaves the n_rows-entry array), merged by selects. For targets /
     inv_t of a decode call passed unpadded: a 1-D TMA operand of 4 or 12 bytes read wrong on
-    the H200 (docs/PERF_NOTES.md), and a padded copy is an XLA op per call.
+    the H200 (docs/PERFORMANCE.md), and a padded copy is an XLA op per call.
     base: a Python int (positions at or past n_rows are then left out statically) or a traced
     int32 (every position is loaded, clamped, and selected by base + i < n_rows). Pure data
     movement: the values reaching the caller are the entries themselves."""

@@ -21,7 +21,7 @@ instruction sequence (no split-K, no atomics, fixed tile walk), so two runs give
 identical bytes. `dz_in_place` is the same kernel reading the chunk from the whole
 weight (and bias) at a traced offset, for the chunk walk without copies
 (`backends.InPlaceWalk`; H200: its walk's dW bytes equal the slice walk's,
-docs/PERF_NOTES.md). `detlogp_jax.grad` calls it per chunk when the backend is
+docs/PERFORMANCE.md). `detlogp_jax.grad` calls it per chunk when the backend is
 pallas_sm90 (bf16 operands, D a multiple of 64, `chunk_supported`; the registry
 entry in `backend.py` says so) and feeds dz to the two gradient GEMMs. Launch
 geometry: `tuning.DzConfig` (shipped: `tuning.DZ`; bit-neutral).

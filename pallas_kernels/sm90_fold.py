@@ -855,7 +855,7 @@ def fold_transposed(
     # The kernel reads targets / inv_t of the real rows and writes only those (GPU: TMA's fill
     # and clipped stores; the interpreter's slices are bounded, so it gets padded rows). Only for
     # a multiple of 8 rows: 1-D TMA operands of 4 or 12 bytes (1 or 3 rows) read wrong on the
-    # H200 (docs/PERF_NOTES.md); 32 bytes were right.
+    # H200 (docs/PERFORMANCE.md); 32 bytes were right.
     io_rows = not interpret and rows < n and pad == 0 and rows % 8 == 0
     # Other row counts (and interpret mode, whose scalar reads stay inside the arrays): the row
     # inputs and outputs by scalar loads and stores (`build(scalar_rows=True)`), no pads, no slices.

@@ -289,7 +289,7 @@ def build(
         # mbarriers (all 128 threads arrive and wait); the epilogue's bias rewrite is fenced by
         # its own commits (`_tile_step`); TMA and wgmma accesses of the ring are ordered by full /
         # empty; commit_smem (fence + warpgroup barrier) precedes every TMA store of a buffer
-        # (H200: 7.90 vs 8.15 ms at M=4096 with the barriers; docs/PERF_NOTES.md).
+        # (H200: 7.90 vs 8.15 ms at M=4096 with the barriers; docs/PERFORMANCE.md).
         compiler_params=plgpu.CompilerParams(approx_math=False, unsafe_no_auto_barriers=True),
         **interpret_utils.kernel_kwargs(interpret, interpret_params),
     )
@@ -549,7 +549,7 @@ def _tile_step(plan: _Plan, refs: _Refs, smem: _Smem, item: _EpilogueItem, q, b,
     # z = fl(acc + b), written back in place: both chain passes and the logits read z. A
     # swizzled half's load and store are not one thread's addresses (without barriers the H200's
     # trainer entry read halves before their bias was added; interpret mode cannot show it:
-    # docs/PERF_NOTES.md), so every thread reads both halves, a barrier, then the rewrites, a
+    # docs/PERFORMANCE.md), so every thread reads both halves, a barrier, then the rewrites, a
     # barrier (the commit also orders them before the logits' TMA stores).
     if plan.has_bias:
 

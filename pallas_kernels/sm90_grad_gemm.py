@@ -20,7 +20,7 @@ pipeline steps of m64nNk16 wgmmas (N: a consumer warpgroup's columns,
 interpret mode, whose accumulator cannot be stored to, adds the old value after the sum
 instead: the same arithmetic up to rounding). No split-K, no atomics, a fixed tile walk:
 two runs give identical bytes, and a row's dh does not depend on the other rows of the
-batch (H200: the benchmark runner's gradient probe rows; docs/PERF_NOTES.md). The backward
+batch (H200: the benchmark runner's gradient probe rows; docs/PERFORMANCE.md). The backward
 is not part of the frozen contract.
 
 Layouts. "vd" (weight [V, D]): dh's B operand is W[start + k, :] (K-major rows, read as
@@ -54,7 +54,7 @@ from pallas_kernels.common import F32, SWIZZLE, TILE_K
 EPI = 64  # epilogue tile: [EPI, EPI] of the output per TMA store
 # Staging boxes per consumer warpgroup for the epilogue's TMA stores: they alternate, and a tile's
 # stores are waited out before the next tile (a whole tile's worth, draining under the next K
-# walk, was no faster on the H200: docs/PERF_NOTES.md).
+# walk, was no faster on the H200: docs/PERFORMANCE.md).
 OUT_SLOTS = 2
 # Chunk offsets must be multiples of this (a [V, D] weight's rows and a [D, V] one's columns are
 # read in 64-wide swizzle tiles; dW is written in [EPI, EPI] boxes): callers check it (`supported`).
@@ -295,7 +295,7 @@ def _config(cfg, shipped: tuning.GradGemmConfig, m: int, n: int, interpret: bool
     its 2-CTA cluster where the interpreter runs (it has no TMA multicast) or the [m, n] output
     does not tile by the cluster's two tiles. Dropping the cluster changes no byte: a cluster
     changes only which CTA's TMA brings a shared block into shared memory, not the sum each
-    element's accumulator forms (H200: 0 rows differing in dh and dW; docs/PERF_NOTES.md)."""
+    element's accumulator forms (H200: 0 rows differing in dh and dW; docs/PERFORMANCE.md)."""
     if cfg is not None:
         return cfg
     cm, cn = shipped.cluster_tile

@@ -174,7 +174,7 @@ def _sliced_pass1(m, steps, n_steps, tcol0, tgt, inv_t, m_limit, full, ops, tile
     The column mask is skipped on full tiles (an identity there), and the column tests
     compare the slice's lane index with a scalar / a row vector relative to the tile (no
     per-lane column index). The same bytes as per-slice maxima (H200: every bucket;
-    docs/PERF_NOTES.md)."""
+    docs/PERFORMANCE.md)."""
     bm = m.shape[0]
     neg_inf = jnp.asarray(NEG_INF, F32)
     iota8 = tile_cast(lax.broadcasted_iota(jnp.int32, (bm, 8), 1))

@@ -35,7 +35,7 @@ and `GradGemmConfig` (`sm90_grad_gemm`). The shipped values are `BUCKETS`,
 `FOLD` / `DECODE_FOLD`, `DZ`, `DH_GEMM` and `DW_GEMM`: constants, read where a
 kernel is traced and never reassigned (a caller that wants another launch passes
 a config: `partials(bucket=)`, `forward(fold_cfg=)`, `sm90_grad_gemm.*(cfg=)`).
-Why each shipped value (what was measured against what): docs/PERF_NOTES.md.
+Why each shipped value (what was measured against what): docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class ForwardConfig:
         _require(isinstance(self.name, str) and bool(self.name), self, "name must be a non-empty string")
         _require(self.block_m in (64, 128), self, f"block_m must be 64 or 128, got {self.block_m}")
         # Three consumer warpgroups (192 rows per CTA) pass interpret mode but their bytes were
-        # never compared on a GPU (docs/PERF_NOTES.md): refused until they are.
+        # never compared on a GPU (docs/PERFORMANCE.md): refused until they are.
         _require(self.num_compute_wgs in (1, 2), self, f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
         _require_int(self, "max_concurrent_steps", 1)
         _require_int(self, "ctas_per_sm", 1)
@@ -123,7 +123,7 @@ class FoldConfig:
 
     def __post_init__(self):
         # rows = 128 would not fit in SMEM; 8 and 16 rows (32- / 64-byte TMA rows) give the
-        # 32-row fold's bytes on the H200 (docs/PERF_NOTES.md).
+        # 32-row fold's bytes on the H200 (docs/PERFORMANCE.md).
         _require(self.rows in (8, 16, 32, 64), self, f"rows must be 8, 16, 32 or 64, got {self.rows}")
         g_n = 128 // self.rows
         _require(
@@ -235,20 +235,20 @@ class GradGemmConfig:
 
 # M-bucketed launch table. Every entry must give identical bytes (tested). Both ws buckets hand
 # tiles to the epilogue as two swizzled [bm, 32] halves, 8 slices per epilogue step (H200, kernel
-# alone: M = 4096 7.754 vs 7.857 ms for eight [bm, 8] slices, 2 per step; docs/PERF_NOTES.md).
+# alone: M = 4096 7.754 vs 7.857 ms for eight [bm, 8] slices, 2 per step; docs/PERFORMANCE.md).
 _BUCKETS: dict[str, ForwardConfig] = {
     # One row block of 64; the 264 splits spread over all SMs (2 per CTA), deep TMA pipeline to
     # keep ~4 TB/s of weight streaming in flight; the chain in the epilogue warpgroup (5 stages of
     # 32 KiB + 48 KiB hand-off), so the weight stream does not pause between tile groups (H200,
     # kernel alone, M = 1/8/64: 0.304/0.305/0.305 ms vs 0.332/0.327/0.331 ms with the chain in the
-    # wgmma warpgroup; docs/PERF_NOTES.md).
+    # wgmma warpgroup; docs/PERFORMANCE.md).
     "decode": WsForwardConfig("decode", block_m=64, num_compute_wgs=1, max_concurrent_steps=5, ctas_per_sm=1),
     # Two consumer warpgroups, 64 rows each, the chain between tile groups (sm90_forward_wgmma).
     "small": WgmmaForwardConfig("small", block_m=64, num_compute_wgs=2, max_concurrent_steps=4, ctas_per_sm=1),
     # Large M: 2 x 64 rows per CTA in two wgmma warpgroups plus the epilogue warpgroup fed
     # through shared memory (3 stages of 40 KiB + 96 KiB of hand-off buffers), so the chain of a
     # tile group runs under the next group's wgmmas (H200, kernel alone: M=4096 7.90 vs 8.62 ms
-    # for the chain in the wgmma warpgroups; docs/PERF_NOTES.md). Work items in groups of 4
+    # for the chain in the wgmma warpgroups; docs/PERFORMANCE.md). Work items in groups of 4
     # splits so the CTAs running at once share hidden rows in L2.
     "prefill": WsForwardConfig(
         "prefill", block_m=64, num_compute_wgs=2, max_concurrent_steps=3, ctas_per_sm=1, split_group=4
@@ -256,7 +256,7 @@ _BUCKETS: dict[str, ForwardConfig] = {
 }
 # The prefill kernel with work items in groups of 2 splits (bit-neutral) for 256 < M <= 2048,
 # where it was faster (H200, kernel alone, split_group 2 vs 4: M = 512 0.986 vs 1.005 ms, 2048
-# 3.714 vs 3.861; at 4096 7.741 vs 7.701, so prefill keeps 4; docs/PERF_NOTES.md).
+# 3.714 vs 3.861; at 4096 7.741 vs 7.701, so prefill keeps 4; docs/PERFORMANCE.md).
 _BUCKETS["mid"] = dataclasses.replace(_BUCKETS["prefill"], name="mid", split_group=2)
 # Read-only: a launch other than the table's is a config passed in (`select_bucket(bucket=)`).
 BUCKETS: "types.MappingProxyType[str, ForwardConfig]" = types.MappingProxyType(_BUCKETS)
@@ -265,12 +265,12 @@ BUCKETS: "types.MappingProxyType[str, ForwardConfig]" = types.MappingProxyType(_
 FOLD = FoldConfig()
 # The fold `pallas_kernels.forward` runs for a call of at most DECODE_ROWS rows (bit-neutral: 16
 # threads share a row's splits instead of 4; the contract's chain and its order are unchanged).
-# H200, M=1: the fold 3.7 us vs 5.1 with 32 rows, the same bytes (docs/PERF_NOTES.md).
+# H200, M=1: the fold 3.7 us vs 5.1 with 32 rows, the same bytes (docs/PERFORMANCE.md).
 DECODE_FOLD = FoldConfig(rows=8)
 DZ = DzConfig()
 # The gradient GEMMs (dh: FP32 in and out, so one stage fewer for its FP32 staging tiles), both
 # in 2-CTA clusters multicasting the B operand (the same dh / dW bytes; H200, the recompute
-# backward alone at M = 4096: 23.90 vs 24.29 ms without; docs/PERF_NOTES.md).
+# backward alone at M = 4096: 23.90 vs 24.29 ms without; docs/PERFORMANCE.md).
 DH_GEMM = GradGemmConfig(max_concurrent_steps=3, cluster=True)
 DW_GEMM = GradGemmConfig(cluster=True)
 
@@ -307,7 +307,7 @@ def pipeline_stages(cfg: ForwardConfig, tiles_per_group: int, tile_k: int = 64, 
 
 # Upper bounds (inclusive) of M per bucket, in order. "small" ends at 256: above it the
 # prefill kernel is faster (H200, kernel alone: M = 512 small 1.036 / prefill 1.002 ms;
-# docs/PERF_NOTES.md); "mid" (the prefill kernel in groups of 2 splits) to 2048 (see BUCKETS).
+# docs/PERFORMANCE.md); "mid" (the prefill kernel in groups of 2 splits) to 2048 (see BUCKETS).
 # Which bucket serves changes no byte (every bucket gives the same bytes:
 # tests/gpu/test_pallas_gpu.py, the ladder's B stage).
 BUCKET_TABLE: tuple[tuple[int, str], ...] = ((64, "decode"), (256, "small"), (2048, "mid"), (1 << 62, "prefill"))

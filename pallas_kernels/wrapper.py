@@ -167,7 +167,7 @@ def _row_operands(hidden, targets, inv_t, cfg, n_pad: int, unpadded: bool, inter
     call): targets / inv_t as they are, read by scalar loads (`sm90_forward_ws.build(row_loads=N)`),
     hidden with N rows read with a box of N rounded up to 8 rows (`h_box_rows`; N rounded up to
     8 where N >= 8 is not a multiple of 8: Mosaic's tiled TMA takes no other row count; a 64-row
-    box mostly past the array made the kernel 5% slower, docs/PERF_NOTES.md). Interpret mode pads
+    box mostly past the array made the kernel 5% slower, docs/PERFORMANCE.md). Interpret mode pads
     hidden to the box (the interpreter's slices are bounded)."""
     n = hidden.shape[0]
     n8 = -(-n // 8) * 8
@@ -370,7 +370,7 @@ def forward(hidden, weight, bias, targets, inv_t, *, vocab_size: int, fold_cfg=N
     Arguments: `_launch`'s, and unpadded: a call whose rows fit one row block of the kernel and
     are fewer (a decode call) hands the kernels its [N] targets / inv_t and N-row hidden as they
     are and the fold writes [N]: no row pads, no output slices, the same bytes (H200: golden
-    replay and the unpadded GPU test; docs/PERF_NOTES.md). False pads those rows as `partials`
+    replay and the unpadded GPU test; docs/PERFORMANCE.md). False pads those rows as `partials`
     does (the same bytes; for comparisons). fold_cfg: the fold's `tuning.FoldConfig`
     (bit-neutral; default `tuning.fold_for(N)`: `DECODE_FOLD` at most `tuning.DECODE_ROWS`
     rows, `FOLD` above)."""

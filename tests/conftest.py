@@ -27,11 +27,10 @@ os.environ.setdefault("NPROC", "32")
 # The same interpret mode also runs each warpgroup's XLA CPU execution from its own Python thread
 # while the kernel's outer execution waits for them. With the CPU client's async dispatch (jax's
 # default) an execution can be queued on the client's work runner instead of running on the
-# calling thread; a full-suite run hung that way (test_pallas_entropy.py::test_single_launch_
-# forward_equals_two_kernels[M70-mid], nineteenth session: the outer execution on a runner thread
-# waiting in the interpreter's thread map, one warpgroup thread waiting at a barrier, three in
-# XLA's execute with no Python frame above it; not reproduced in 12 runs of the test alone, 6 of
-# them beside a CPU load). Every CPU execution runs inline on its caller here (the bytes do not
+# calling thread; a full-suite run hung that way once (an interpret-mode forward: the outer
+# execution on a runner thread waiting in the interpreter's thread map, one warpgroup thread
+# waiting at a barrier, three in XLA's execute with no Python frame above it; not reproduced in
+# 12 runs of the test alone). Every CPU execution runs inline on its caller here (the bytes do not
 # depend on it). Must be set before jax makes its CPU client.
 import jax  # noqa: E402
 

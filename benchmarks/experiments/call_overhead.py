@@ -3,7 +3,7 @@
     python -m benchmarks.experiments.call_overhead --m 1,64 --out overhead.jsonl
 
 The benchmark runner's per-call time at M=1 sits above a profiler trace's device work per call
-for both the trainer forward and the GEMM alone (docs/PERF_NOTES.md). This script asks what the
+for both the trainer forward and the GEMM alone (docs/PERFORMANCE.md). This script asks what the
 rest is. For each
 lane, the same compiled executable is timed five ways (median over `--samples` samples):
 

@@ -4,7 +4,7 @@
 
 With the swizzled hand-off in both ws buckets, the H200's ladder stage A2 (N=7, D=192, V=1001,
 bias, per-row T) once found the trainer entry's m/S differing from the serving entry's (a
-missing barrier around the bias rewrite; docs/PERF_NOTES.md). This runs those shapes (and
+missing barrier around the bias rewrite; docs/PERFORMANCE.md). This runs those shapes (and
 neighbours: no bias, a vocab of whole tiles) through the shipped ws buckets ("swz8": two
 swizzled [bm, 32] halves per tile, 8 slices per epilogue step), both entries, and counts the
 rows whose m, S, z_t, logp, lse (and logits) bytes differ from the "small" bucket's

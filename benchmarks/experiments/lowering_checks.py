@@ -5,7 +5,7 @@
 Each check builds a tiny kernel and lowers it (`jax.jit(f).trace(...).lower(lowering_platforms=
 ("cuda",))`, the whole Python half of Mosaic GPU) and prints whether Mosaic accepted it:
 * semaphores: a global semaphore (`pl.get_global(plgpu.SemaphoreType.REGULAR)`) signalled by
-  every CTA and awaited by one (the ordering point an in-kernel fold needs; docs/PERF_NOTES.md);
+  every CTA and awaited by one (the ordering point an in-kernel fold needs; docs/PERFORMANCE.md);
 * oob_rows: a 64-row TMA load box from a [1, D] array (rows past the array: the hardware's
   zero fill, so a decode call's hidden need not be padded);
 * swizzled_halves: a [64, 32] f32 array stored to and loaded whole from a 128B-swizzled SMEM

@@ -230,7 +230,7 @@ def main(argv):
         # The decode bucket's weight stream (seventh session, issue 18 item 3: the forward at M <= 64
         # against the GEMM alone): pipeline depth and two CTAs per SM (264 CTAs: one split each,
         # no item switch), next to the GEMM alone. (32-wide K slices, slower at every M, left the
-        # kernel: docs/PERF_NOTES.md.)
+        # kernel: docs/PERFORMANCE.md.)
         for m in (1, 8, 64):
             p.kernel("decode7", "decode (st5)", m, tuning.BUCKETS["decode"])
             p.kernel("decode7", "st4", m, _v("decode", "d7s4", max_concurrent_steps=4))
@@ -413,7 +413,7 @@ def main(argv):
         # Dedicated epilogue warpgroup (sm90_forward_ws): the chain of group g runs while the
         # wgmma warpgroups compute group g+1. Bytes are checked against the shipped bucket.
         # (The automatic warpgroup barriers and 32-wide K slices, slower, left the kernel:
-        # docs/PERF_NOTES.md.)
+        # docs/PERFORMANCE.md.)
         base = tuning.BUCKETS["prefill"]
         chain = kt.as_wgmma(base, name="prefill-chain3")
         for m in (4096, 16384, 1024):

@@ -224,7 +224,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report dict (JSON-ready) of one run; `report["verdict"]` is its one-line summary.
 
-    Keeps the field names of the committed reports (benchmarks/results/validate_*.json)
+    Keeps the field names of the committed reports (benchmarks/results/*/main_job/*.json)
     and adds per_step, op_timing and verdict.
     """
     cfg, mcfg, P = setup.cfg, setup.mcfg, setup.prompt_len
