@@ -520,6 +520,44 @@ def test_options_are_hashable_and_checked():
         dt.token_logps(make_model("qwen3", True), jnp.zeros((1, 32)), jnp.zeros((1,), jnp.int32), bogus=1)
 
 
+def test_ppo_loss_using_the_entropy_under_entropy_none_gives_nan_gradients():
+    """Tunix's own PPO policy loss with entropy_coef != 0 under patch(entropy="none"): the entropy
+    was not computed, so the loss is NaN and its gradients are NaN too (never finite gradients
+    without the entropy term); with entropy_coef = 0 the gradients stay finite."""
+    from tunix.rl import algo_core
+    from tunix.rl.ppo import ppo_learner
+
+    model = make_model("qwen3", False, vocab=BIG_V, layers=1)
+    prompt, comp = batch(seed=9)
+    example = common.TrainExample(
+        prompt_ids=jnp.asarray(prompt),
+        prompt_mask=jnp.asarray(prompt != PAD),
+        completion_ids=jnp.asarray(comp),
+        completion_mask=jnp.asarray(comp != PAD, jnp.int32),
+        advantages=jnp.asarray(np.linspace(-1, 1, comp.size).reshape(comp.shape), jnp.float32),
+        ref_per_token_logps=None,
+        old_per_token_logps=jnp.full(comp.shape, -5.0, jnp.float32),
+    )
+    gd, st = nnx.split(model)
+    leaves = {}
+    for coef in (0.01, 0.0):
+        cfg = ppo_learner.PPOConfig(entropy_coef=coef)
+
+        def step(st, cfg=cfg):
+            return jax.value_and_grad(
+                lambda st: algo_core.ppo_policy_loss_fn(nnx.merge(gd, st), example, cfg, PAD, EOS), has_aux=True
+            )(st)
+
+        with dt.patch(entropy="none"):
+            (loss, _), grads = jax.jit(step)(st)
+        leaves[coef] = (float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)])
+    loss, grads = leaves[0.01]
+    assert np.isnan(loss)
+    assert any(np.isnan(g).any() for g in grads)  # the optimizer cannot step on silently
+    loss0, grads0 = leaves[0.0]
+    assert np.isfinite(loss0) and all(np.isfinite(g).all() for g in grads0)
+
+
 def test_grpo_loss_without_BLV_under_entropy_none():
     """Tunix's GRPO loss always asks for the logits (its entropy metric): under the default patch the
     op's [B, C, V] logits are the one such array left; with entropy="none" there is none, the loss

@@ -510,8 +510,9 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
     "op" returns a `TokenEntropy` carrying the op's per-token entropy instead, which the patched
     `algo_core.compute_entropy_from_logits` reads (needs `linear_logp(return_entropy=True)`);
     "none" returns a `TokenEntropy` of NaN (no [B, C, V] anywhere; GRPO's "entropy" metric then
-    reads NaN, and a loss that uses the entropy, PPO with entropy_coef != 0, becomes NaN: loud,
-    never silently without its entropy term).
+    reads NaN, and a loss that uses the entropy, PPO with entropy_coef != 0, becomes NaN and so do
+    its gradients: loud, never an optimizer step without the entropy term; a metric alone, which
+    gets no cotangent, leaves the gradients as they are).
     """
     opts = opts or OpOptions()
 
@@ -545,7 +546,7 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
                 stop_gradient=stop_gradient,
                 opts=opts,
             )
-            return lp, TokenEntropy(jnp.full(lp.shape, jnp.nan, jnp.float32))
+            return lp, TokenEntropy(_entropy_not_computed(lp))
         want_entropy = return_logits and entropy == "op"
         out = per_token_logps(
             model,
@@ -568,6 +569,25 @@ def compute_per_token_logps_fn(opts: OpOptions | None = None, *, entropy: str = 
 
     compute_per_token_logps.__detlogp__ = True
     return compute_per_token_logps
+
+
+@jax.custom_vjp
+def _entropy_not_computed(logp):
+    """NaN [B, C] in place of an entropy that was not computed (`patch(entropy="none")`), tied
+    to the logprobs: its cotangent, where a loss uses it (nonzero), reaches them as NaN, so the
+    gradients of such a loss are NaN like the loss itself; a zero cotangent (a metric) adds 0."""
+    return jnp.full(logp.shape, jnp.nan, jnp.float32)
+
+
+def _entropy_not_computed_fwd(logp):
+    return _entropy_not_computed(logp), None
+
+
+def _entropy_not_computed_bwd(_, ct):
+    return (jnp.where(ct != 0, jnp.nan, 0.0).astype(jnp.float32),)
+
+
+_entropy_not_computed.defvjp(_entropy_not_computed_fwd, _entropy_not_computed_bwd)
 
 
 @jax.tree_util.register_dataclass
