@@ -144,21 +144,47 @@ def checked_mode(checked: bool | None) -> bool:
 
 
 def check_targets(targets, vocab_size: int) -> None:
-    """Checked mode: raise on out-of-range targets (eagerly, or at run time under jit)."""
+    """Checked mode: raise on a target outside [0, vocab_size) that is not the ignore index.
 
-    def check(t):
-        t = np.asarray(t)
+    Concrete targets (an eager call) are checked here: a ValueError names the first bad target,
+    its index and the vocabulary. Traced targets (inside `jax.jit`) are checked through
+    `jax.experimental.checkify`: run the jitted function under `checkify.checkify` and
+    `err.throw()` raises the same message. A trace that is not checkified is refused at trace
+    time with a ValueError that says so (a host callback could only fail as an XLA runtime
+    error); without checked mode a bad target gives NaN logp in its own row only."""
+
+    def message(value, index):
+        return f"target {value} at index {index} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}"
+
+    if is_concrete(targets):
+        t = np.asarray(targets)
         bad = C.bad_target(t, vocab_size)
         if bad.any():
             idx = np.argwhere(bad)[0].tolist()
-            raise ValueError(
-                f"target {t[tuple(idx)]} at index {idx} is outside [0, {vocab_size}) and is not {C.IGNORE_INDEX}"
-            )
+            raise ValueError(message(t[tuple(idx)], idx))
+        return
+    from jax.experimental import checkify
 
-    if is_concrete(targets):
-        check(targets)
-    else:
-        jax.debug.callback(check, targets)
+    bad = C.bad_target(targets, vocab_size)
+    first = jnp.argmax(bad.reshape(-1))
+    value = targets.reshape(-1)[first]
+    try:
+        checkify.check(
+            ~jnp.any(bad),
+            message("{value}", "{index}") + " (flat index)",
+            value=value,
+            index=first,
+        )
+    except ValueError as e:
+        if "functionalized" not in str(e):
+            raise
+        raise ValueError(
+            "checked=True (or DETLOGP_CHECKED=1) inside jax.jit checks the targets with "
+            "jax.experimental.checkify: wrap the jitted function, `err, out = checkify.checkify(f)(...)` then "
+            "`err.throw()` (it names a bad target and the vocabulary), or check them before jit with "
+            "`detlogp_jax.inputs.check_targets(targets, vocab_size)` on concrete targets. Without checked mode a "
+            "bad target gives NaN logp in its own row only."
+        ) from None
 
 
 def narrow_targets(targets, vocab_size: int):

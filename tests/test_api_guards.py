@@ -156,6 +156,26 @@ def test_checked_mode_raises_on_bad_targets(monkeypatch):
     dl.linear_logp(h, w, t, vocab_size=VOCAB)  # ignore_index is fine
 
 
+def test_checked_mode_under_jit_names_the_bad_target():
+    """Under jax.jit checked mode runs through checkify: checkified, a bad target raises a plain
+    message naming it and the vocabulary; a trace that is not checkified is refused at trace
+    time saying what to do (never an XLA runtime error of a host callback)."""
+    from jax.experimental import checkify
+
+    h, w, t = _data()
+    t[2] = VOCAB + 3
+    f = jax.jit(lambda h, t: dl.linear_logp(h, w, t, vocab_size=VOCAB, checked=True).logp)
+    with pytest.raises(ValueError, match="checkify"):
+        f(h, t)
+    err, _ = checkify.checkify(f)(h, t)
+    with pytest.raises(Exception, match=rf"target {VOCAB + 3} at index 2 is outside \[0, {VOCAB}\)"):
+        err.throw()
+    t[2] = -100
+    err, out = checkify.checkify(f)(h, t)
+    err.throw()  # no error: ignore_index is fine
+    assert np.isfinite(np.asarray(out)[np.arange(len(t)) != 2]).all()
+
+
 def test_nan_and_inf_rows_do_not_touch_other_rows():
     h, w, t = _data(n=9)
     ok = dl.linear_logp(h, w, t, vocab_size=VOCAB, backend="reference", return_logits=True)
