@@ -326,7 +326,25 @@ class Provenance:
     constants: Mapping[str, Any] = dataclasses.field(default_factory=contract_constants)
 
     def as_dict(self) -> dict[str, Any]:
+        """The whole record, the contract constants included (`repr` keeps to the key fields)."""
         return dataclasses.asdict(self)
+
+    def __repr__(self) -> str:
+        """The key fields, one per line (the whole record: `as_dict()`)."""
+        gpu = f" (compute capability {self.compute_capability})" if self.compute_capability else ""
+        lines = [
+            f"contract:  {self.contract_id}" + (f" + {self.entropy_id}" if self.entropy_id else ""),
+            f"backend:   {self.backend}"
+            + (f" (requested {self.requested_backend!r}" + (", fallback)" if self.fallback else ")")),
+            f"device:    {self.device_kind} [{self.platform}]{gpu}",
+            f"vocab:     {self.vocab_size} real of {self.padded_vocab_size} padded, {self.n_split} splits, "
+            f"weight layout {self.weight_layout!r}",
+            f"jax:       {self.jax_version} / jaxlib {self.jaxlib_version}",
+            f"constants: {len(self.constants)} contract constants (as_dict()['constants'])",
+        ]
+        return "Provenance(\n  " + "\n  ".join(lines) + "\n)"
+
+    __str__ = __repr__
 
     def __hash__(self):  # a static pytree node (it rides on LogpOutput through jit): hashable
         return hash(repr(sorted(self.as_dict().items())))

@@ -147,3 +147,18 @@ def test_local_splits_are_the_splits_inside_a_shard():
         C.local_splits(v_pad, 32, 1024)
     with pytest.raises(C.ContractError, match="split edges"):
         C.local_splits(v_pad, 0, 64)  # one tile of a multi-tile split
+
+
+def test_provenance_prints_its_key_fields_one_per_line():
+    import numpy as np
+
+    import detlogp_jax as dl
+
+    out = dl.linear_logp(np.ones((2, 64), np.float32), np.ones((512, 64), np.float32), np.array([1, 2]))
+    text = repr(out.provenance)
+    lines = text.splitlines()
+    assert len(text) < 600 and 5 <= len(lines) <= 10, text
+    assert "linear-logp-contract-v1" in text and "backend:   reference" in text and "512 real of 512" in text
+    assert str(out.provenance) == text
+    full = out.provenance.as_dict()  # the whole record is still there
+    assert full["constants"] and full["jax_version"] and full["n_split"] == 8
