@@ -60,3 +60,14 @@ def test_installed_sharding_is_the_tp_package(wheel, tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
     )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_readme_installs_from_the_repository():
+    """The package is not published: the README's install lines install this checkout (the wheel
+    built above is what `pip install .` installs)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("pip install")]
+    assert lines, "no install line"
+    for line in lines:
+        spec = line.split("#")[0].split()[2].strip("\"'")
+        assert spec == "." or spec.startswith(".["), line
