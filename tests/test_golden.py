@@ -144,7 +144,7 @@ def test_entropy_records_are_their_own_key(tmp_path, capsys):
     those), a tampered entropy record fails the replay, a missing one is not a pass."""
     db = golden.load()
     ekey = golden.entropy_key("reference")
-    assert ekey.split("/")[3] == "linear-logp-entropy-v1" and set(db[ekey]) == {
+    assert ekey.split("/")[2] == "linear-logp-entropy-v1" and set(db[ekey]) == {
         "small_odd",
         "decode_row",
         "unpadded_weight",
@@ -239,3 +239,22 @@ def test_installed_wheel_replays_from_another_directory(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pass" in r.stdout and " 0 fail, 0 new" in r.stdout and not r.stdout.count(" 0 pass,")
     assert os.listdir(elsewhere) == []
+
+
+def test_an_h100_replays_the_h200_records(monkeypatch):
+    """The records key names what decides the bits (platform, compute capability, contract,
+    jax, backend), not the device's name: an H100 (cc 9.0, the same sm_90 instructions) finds
+    the packaged H200 records of both the contract and the entropy."""
+    from detlogp_jax import backends
+    from detlogp_jax.apps import golden as g
+
+    db = g.load()
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        info = {"platform": "gpu", "device_kind": kind, "compute_capability": "9.0"}
+        monkeypatch.setattr(backends, "platform_info", lambda info=info: info)
+        assert g.platform_key("pallas_sm90") in db, (kind, sorted(db))
+        assert g.entropy_key("pallas_sm90") in db
+    monkeypatch.setattr(
+        backends, "platform_info", lambda: {"platform": "gpu", "device_kind": "A100", "compute_capability": "8.0"}
+    )
+    assert g.platform_key("pallas_sm90") not in db  # another instruction set: no record

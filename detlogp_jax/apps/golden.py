@@ -2,13 +2,14 @@
 
 Inputs are generated in-repo from seeds (numpy PCG64 + ml_dtypes bf16 rounding,
 identical on every machine), never stored as files. Fingerprints are stored per
-key `platform/device_kind/cc/contract/jax/backend` in a JSON file; the records
+key `platform/cc/contract/jax/backend` in a JSON file (`platform_key` says why those fields;
+an H100 replays the H200's records); the records
 ship inside the package (`detlogp_jax/apps/data/fingerprints.json`, read with
 `importlib.resources`, so an installed wheel replays them from any directory).
 A replay reports, per case, pass / FAIL / new (no record for this key yet).
 
 The per-row entropy (`linear-logp-entropy-v1`, CONTRACT.md section 9) has its own
-records under its own key, `platform/device_kind/cc/linear-logp-entropy-v1/jax/backend`
+records under its own key, `platform/cc/linear-logp-entropy-v1/jax/backend`
 (field `entropy_sha256`), so the `linear-logp-contract-v1` records (and a replay by an
 older version, which reads only those) are untouched. On a backend that produces the
 entropy each case runs a second time with `return_entropy=True`; its logp/lse must be
@@ -92,10 +93,16 @@ def make_inputs(case: Case):
 
 def platform_key(backend: str, contract_id: str = contract.CONTRACT_ID) -> str:
     """The records key of this machine for `backend` (`contract_id`: the contract's, or
-    `contract.ENTROPY_ID` for the entropy records)."""
+    `contract.ENTROPY_ID` for the entropy records).
+
+    It names what decides the bits: the contract (the programs), the backend (the kernels),
+    the platform and the compute capability (the instruction set the kernels run: an H100 and
+    an H200 are both cc 9.0, the same sm_90 instructions, so they share records), and jax /
+    jaxlib (pinned by the package: the compiler that lowers the kernels). The device's
+    marketing name (memory size, SKU) is not part of it."""
     info = backends.platform_info()
     cc = info["compute_capability"] or "-"
-    return f"{info['platform']}/{info['device_kind']}/cc{cc}/{contract_id}/jax{jax.__version__}/{backend}"
+    return f"{info['platform']}/cc{cc}/{contract_id}/jax{jax.__version__}/{backend}"
 
 
 def entropy_key(backend: str) -> str:
@@ -260,7 +267,8 @@ def main(argv=None) -> int:
     e_res = out["entropy_results"].values()
     e_pass, e_new = sum(r == "pass" for r in e_res), sum(r == "new" for r in e_res)
     e_fail = sum(r.startswith("FAIL") for r in e_res)
-    print(f"key: {out['key']}")
+    info = backends.platform_info()
+    print(f"key: {out['key']} (device: {info['device_kind']})")
     print(f"records: {source}")
     print(f"golden replay: {n_pass} pass, {n_fail} fail, {n_new} new")
     if produces_entropy(backend):
