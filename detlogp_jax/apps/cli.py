@@ -157,4 +157,13 @@ def entry() -> None:
     F = define_flags()
     for name in _FLAG_NAMES:  # key flags of the main module: what --help shows
         F.register_key_flag_for_module(sys.argv[0], F[name])
-    app.run(main)
+    asked_help = any(a.split("=")[0] in _HELP_FLAGS for a in sys.argv[1:])
+    try:
+        app.run(main)
+    except SystemExit as e:  # absl exits 1 after printing the help a user asked for: that is a success
+        if asked_help and e.code == 1:
+            raise SystemExit(0) from None
+        raise
+
+
+_HELP_FLAGS = frozenset({"-h", "--help", "-?", "--helpshort", "--helpfull", "--helpxml"})
