@@ -34,7 +34,13 @@ def replot(json_path: str, png_path: str | None = None) -> str:
         + f" on {env.get('device_kind', '?')}"
     )
     out = png_path or os.path.join(report.default_out_dir(), os.path.splitext(os.path.basename(json_path))[0] + ".png")
-    report.plot(cases, doc.get("floors", []), out, title, cfg.get("hbm_tbps", 4.0), cfg.get("peak_tflops", 790.0))
+    report.plot(
+        cases,
+        doc.get("floors", []),
+        out,
+        title,
+        *(doc.get("ceilings") or (cfg.get("hbm_tbps"), cfg.get("peak_tflops"))),
+    )
     return out
 
 

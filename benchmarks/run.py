@@ -84,8 +84,21 @@ flags.DEFINE_float(
     60.0,
     "Guard: warmup+timing budget per case; larger M of a backend predicted to exceed it are skipped.",
 )
-flags.DEFINE_float("hbm_tbps", 4.0, "HBM bandwidth (TB/s) for the memory floor in the plot (H200 measured ~4.0).")
-flags.DEFINE_float("peak_tflops", 790.0, "Dense bf16 peak (TFLOP/s) for the compute floor in the plot.")
+flags.DEFINE_float(
+    "hbm_tbps",
+    None,
+    "HBM bandwidth (TB/s) for the memory floor in the plot; default: the measured ceiling of a known "
+    "device (KNOWN_CEILINGS: the H200's 4.0), none elsewhere (a CPU run draws no floors).",
+)
+flags.DEFINE_float(
+    "peak_tflops",
+    None,
+    "Dense bf16 peak (TFLOP/s) for the compute floor in the plot; default as for --hbm_tbps (the H200's 790).",
+)
+
+# Ceilings measured on a device kind (a large copy, a large bf16 GEMM): the plot's floors use them
+# unless --hbm_tbps / --peak_tflops say otherwise; a device not listed gets no floors by default.
+KNOWN_CEILINGS = {"NVIDIA H200": (4.0, 790.0)}
 flags.DEFINE_integer("input_sets", 2, "Input sets (hidden, targets) rotated across calls; the weight is shared.")
 flags.DEFINE_enum("gemm_out", "bf16", ["bf16", "f32"], "Output dtype of the GEMM-alone ceiling.")
 flags.DEFINE_integer("chunk_block", 2048, "xla_chunked: vocab rows per block.")
@@ -129,8 +142,8 @@ class RunConfig:
     dtype: str = "bf16"
     seed: int = 0
     max_seconds_per_case: float = 60.0
-    hbm_tbps: float = 4.0
-    peak_tflops: float = 790.0
+    hbm_tbps: float | None = None  # None: KNOWN_CEILINGS of the device, else no floors
+    peak_tflops: float | None = None
     input_sets: int = 2
     gemm_out: str = "bf16"
     chunk_block: int = 2048
@@ -397,14 +410,28 @@ def _progress_line(i: int, n: int, r: CaseResult) -> str:
 # --- the sweep ------------------------------------------------------------------------------
 
 
+def ceilings(cfg: RunConfig) -> tuple[float, float] | None:
+    """(HBM TB/s, bf16 TFLOP/s) for the plot's floors: the flags, else the device's known
+    ceilings (`KNOWN_CEILINGS`), else None (no floors: e.g. a CPU run)."""
+    known = KNOWN_CEILINGS.get(getattr(jax.devices()[0], "device_kind", ""), (None, None))
+    hbm = cfg.hbm_tbps if cfg.hbm_tbps is not None else known[0]
+    peak = cfg.peak_tflops if cfg.peak_tflops is not None else known[1]
+    return None if hbm is None or peak is None else (hbm, peak)
+
+
 def floors(cfg: RunConfig) -> list[dict]:
+    """The HBM and compute floors per M for the device's ceilings (`ceilings`); [] without them."""
+    ceil = ceilings(cfg)
+    if ceil is None:
+        return []
+    hbm_tbps, peak_tflops = ceil
     spec = cfg.spec("xla")
     item = jnp.dtype(DTYPES[cfg.dtype]).itemsize
     return [
         {
             "m": m,
-            "hbm_floor_ms": cases.min_bytes(spec, m, item) / (cfg.hbm_tbps * 1e12) * 1e3,
-            "compute_floor_ms": cases.flops(spec, m) / (cfg.peak_tflops * 1e12) * 1e3,
+            "hbm_floor_ms": cases.min_bytes(spec, m, item) / (hbm_tbps * 1e12) * 1e3,
+            "compute_floor_ms": cases.flops(spec, m) / (peak_tflops * 1e12) * 1e3,
         }
         for m in cfg.ms
     ]
@@ -479,6 +506,7 @@ def run(cfg: RunConfig) -> dict:
             "plot": cfg.plot_path(),
         },
         "shape": dataclasses.asdict(cfg.shape),
+        "ceilings": ceilings(cfg),
         "floors": floors(cfg),
         "skipped_backends": skipped_backends,
         "cases": [r.as_dict() for r in results],
@@ -501,7 +529,8 @@ def execute(cfg: RunConfig) -> dict:
             + ("" if cfg.residuals == "recompute" else f" residuals={cfg.residuals}")
             + f" on {env['device_kind']}"
         )
-        report.plot(results, doc["floors"], plot_path, title, cfg.hbm_tbps, cfg.peak_tflops)
+        hbm_tbps, peak_tflops = ceilings(cfg) or (None, None)
+        report.plot(results, doc["floors"], plot_path, title, hbm_tbps, peak_tflops)
     print(report.format_table(results))
     entropy_lines = report.format_entropy_summary(results)
     if entropy_lines:

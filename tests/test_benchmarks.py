@@ -72,6 +72,14 @@ def serving_fwd_bwd(runs):
     return runs["serving"]
 
 
+def test_floors_follow_the_device_or_the_flags():
+    cfg = run.RunConfig(shape=shapes.get("tiny"), ms=(1, 64))
+    assert run.ceilings(cfg) is None and run.floors(cfg) == []  # CPU: no known ceilings
+    given = run.RunConfig(shape=shapes.get("tiny"), ms=(1, 64), hbm_tbps=1.0, peak_tflops=2.0)
+    assert run.ceilings(given) == (1.0, 2.0) and [f["m"] for f in run.floors(given)] == [1, 64]
+    assert run.KNOWN_CEILINGS["NVIDIA H200"] == (4.0, 790.0)
+
+
 def _cases(doc):
     return {(c["backend"], c["m"]): c for c in doc["cases"]}
 
@@ -82,7 +90,8 @@ def _check_structure(doc):
     for key in ("device_kind", "platform", "jax_version", "command_line", "available_backends"):
         assert key in env
     assert doc["shape"] == {"name": "tiny", "d": 64, "v_real": 1000, "v_rows": 1024, "note": shapes.SHAPES["tiny"].note}
-    assert [f["m"] for f in doc["floors"]] == list(MS)
+    # A CPU run has no known ceilings: no H200 floors drawn on it (--hbm_tbps / --peak_tflops add them).
+    assert doc["ceilings"] is None and doc["floors"] == []
     got = _cases(doc)
     assert set(got) == {(b, m) for b in BACKENDS for m in MS}
     for (backend, m), c in got.items():
