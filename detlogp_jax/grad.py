@@ -108,31 +108,32 @@ def _chunking(v_rows: int, chunk: int) -> int:
     return min(chunk, v_rows)
 
 
-def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: WeightLayout, v_rows: int) -> bool:
-    """Whether the fused path would walk chunks of `chunk` (or the whole walk) over the weight's
-    first `v_rows` vocabulary rows with the backend's in-place kernels (`backends.InPlaceWalk`):
-    shapes only, rows padded as the fused path pads them (so the answer does not depend on the
-    row count)."""
+def _in_place_ok(dz, hidden, weight, chunk: int, weight_layout: WeightLayout) -> bool:
+    """Whether the fused path would walk chunks of `chunk` (or the whole vocabulary) with the
+    backend's in-place kernels (`backends.InPlaceWalk`): shapes only, rows padded as the fused
+    path pads them (so the answer does not depend on the row count)."""
     walk = getattr(dz, "in_place", None)
+    v_rows = weight_layout.vocab_rows(weight)
     chunk = _chunking(v_rows, chunk)
     if walk is None or not dz.supports(hidden, weight, chunk, weight_layout):
         return False
     return walk.supports(dz.row_multiple, hidden.shape[1], v_rows, chunk, weight_layout)
 
 
-def _in_place_chunk(dz, hidden, weight, weight_layout: WeightLayout, v_rows: int) -> int:
+def _in_place_chunk(dz, hidden, weight, weight_layout: WeightLayout) -> int:
     """The chunk of the in-place walk where the fused path can take it, else 0: `IN_PLACE_CHUNK`,
     or for a head shorter than that which the kernels do not take whole, its rows rounded down
     to the longest chunk they take (then one chunk and a last chunk of the rest: a TP=8 shard of
     the Llama-3 head padded to 128512, 16064 rows, walks 15872 + 192 (as 256) instead of XLA's
     GEMMs on slices). Shapes only."""
-    if _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout, v_rows):
+    v_rows = weight_layout.vocab_rows(weight)
+    if _in_place_ok(dz, hidden, weight, IN_PLACE_CHUNK, weight_layout):
         return IN_PLACE_CHUNK
     if v_rows >= IN_PLACE_CHUNK:
         return 0
     for k in range(6, v_rows.bit_length()):  # rounded down to 64, 128, ...: the longest first
         c = (v_rows >> k) << k
-        if c and c < v_rows and _in_place_ok(dz, hidden, weight, c, weight_layout, v_rows):
+        if c and c < v_rows and _in_place_ok(dz, hidden, weight, c, weight_layout):
             return c
     return 0
 
@@ -186,10 +187,10 @@ def backward(
     """
     weight_layout = as_layout(weight_layout)
     v_rows = weight_layout.vocab_rows(weight)
-    # Padding rows (at or beyond vocab_size) never reach a gradient: the in-place walk covers
-    # the real rows only, the XLA walks mask them (`_padding_mask`), and dW's padding rows are
-    # exact zeros, whatever values (NaN, inf) the weight holds there.
-    real_rows = vocab_size if isinstance(vocab_size, int) and vocab_size < v_rows else v_rows
+    # Padding rows (at or beyond vocab_size) never reach a gradient, whatever values (NaN, inf)
+    # the weight holds there: the XLA walks read them as zeros (`_padding_mask`), the in-place
+    # walk reads its last chunk, which holds them, from a zero-masked copy of that chunk, and
+    # dW's padding rows are exact zeros (their dz is 0).
     fusable = (
         dz is not None
         and logits is None
@@ -199,11 +200,11 @@ def backward(
         and weight_layout in dz.layouts
     )
     if chunk is None:  # the walk picks the chunk (checked once: in_place below says the same)
-        walk_chunk = _in_place_chunk(dz, hidden, weight, weight_layout, real_rows) if fusable else 0
+        walk_chunk = _in_place_chunk(dz, hidden, weight, weight_layout) if fusable else 0
         in_place = walk_chunk > 0
         chunk = walk_chunk if in_place else DEFAULT_CHUNK
     else:
-        in_place = fusable and _in_place_ok(dz, hidden, weight, chunk, weight_layout, real_rows)
+        in_place = fusable and _in_place_ok(dz, hidden, weight, chunk, weight_layout)
     chunk = _chunking(v_rows, chunk)
     if logits is not None:
         if logits.ndim != 2 or logits.shape[0] != hidden.shape[0] or not 1 <= logits.shape[1] <= v_rows:
@@ -238,7 +239,6 @@ def backward(
             g_entropy=g_entropy,
             weight_layout=weight_layout,
             in_place=in_place,
-            real_rows=real_rows,
         )
         return out
     prec = lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
@@ -472,11 +472,11 @@ def _backward_fused_dz(
     g_entropy=None,
     weight_layout=VD,
     in_place=False,
-    real_rows=None,
 ):
     """The chunked backward with dz formed by the backend's `dz` kernel (no logits cotangent).
     g_logp is already zero on dead rows; inv_t, g_logp, g_lse are f32. in_place: walk with
-    the backend's `dz.in_place` kernels (`_in_place_ok` held for this chunk), else the slice walk.
+    the backend's `dz.in_place` kernels (`_in_place_ok` held for this chunk) when the weight's
+    padding rows (static vocab_size) all sit in the walk's last chunk, else the slice walk.
 
     dz = inv_t * (g_lse * p + g_logp * (onehot - p)) = c1 * p + c2 * onehot
     with c1 = inv_t * (g_lse - g_logp), c2 = inv_t * g_logp per row; with an entropy
@@ -515,8 +515,9 @@ def _backward_fused_dz(
         return out, ()
 
     operands = (hp, weight, bias, tp, it, lp, c1p, c2p) + tuple(ent_kw.values())
-    if in_place:
-        last_len = _last_chunk_len(dz, hidden, weight, chunk, weight_layout, real_rows)
+    padding = _padding_rows(vocab_size, weight_layout.vocab_rows(weight))
+    last_len = _last_chunk_len(dz, hidden, weight, chunk, weight_layout) if in_place else 0
+    if in_place and padding is not None and padding <= (last_len or chunk):
         dh, dw, db = _in_place_walk(
             dz.in_place,
             hp,
@@ -530,14 +531,22 @@ def _backward_fused_dz(
             weight_layout,
             operands,
             last_len=last_len,
-            real_rows=real_rows,
+            padding=padding,
         )
     else:
         dh, dw, db, _ = _chunk_walk(dz_of, hp, weight, bias, chunk, None, operands, weight_layout, 0, vocab_size)
     return dh[:n].astype(hidden.dtype), dw, db
 
 
-def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: WeightLayout, v_rows: int) -> int:
+def _padding_rows(vocab_size, v_rows: int) -> int | None:
+    """The weight's trailing padding rows (at or beyond a static vocab_size), or None when
+    vocab_size is traced (a vocab shard's: how many of its rows are padding is not static)."""
+    if not isinstance(vocab_size, int):
+        return None
+    return max(0, v_rows - vocab_size)
+
+
+def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: WeightLayout) -> int:
     """The length L of the in-place walk's last chunk, which covers [v_rows - L, v_rows) and
     recomputes the L - r columns before the last r = v_rows mod chunk (their dz is 0): the
     shortest L in [r, chunk] the walk's kernels take, trying r itself and then r rounded up to
@@ -546,6 +555,7 @@ def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: WeightLayout,
     products to dh; dW rows written for them are overwritten by the last full chunk). At the
     Qwen3-8B head r = 4608 is taken as it is; a tensor-parallel shard of 38016 rows (TP=4)
     walks 2 x 16384 and 5376 (128 columns recomputed) instead of a clamped 16384 (11136)."""
+    v_rows = weight_layout.vocab_rows(weight)
     tail = v_rows % chunk
     if not tail:
         return 0
@@ -553,7 +563,7 @@ def _last_chunk_len(dz, hidden, weight, chunk: int, weight_layout: WeightLayout,
         length = -(-tail // (1 << k)) << k
         if length >= chunk:
             break
-        if _in_place_ok(dz, hidden, weight, length, weight_layout, v_rows):
+        if _in_place_ok(dz, hidden, weight, length, weight_layout):
             return length
     return chunk
 
@@ -571,7 +581,7 @@ def _in_place_walk(
     weight_layout,
     operands,
     last_len=None,
-    real_rows=None,
+    padding: int = 0,
 ):
     """`_chunk_walk` of the fused dz kernel with a backend's `backends.InPlaceWalk`: the same
     chunks, dh summed in the same order (q full chunks in a scan, then the last r columns), but
@@ -588,11 +598,17 @@ def _in_place_walk(
     memory). So every dW row is a kernel's and no XLA op updates the kernels' dW buffer (XLA's
     dynamic-slice fusion of jax 0.11.2 fails to compile a dynamic_update_slice into a Mosaic
     call's output: "DUS target must be a fusion parameter", H200, a TP=8 shard's 19008 rows).
-    db (with a bias) is the chunk's column sum of dz written at the offset. Returns (dh [n_pad,
-    D] f32, dW in the weight's layout and dtype, db or None)."""
-    v_axis = weight_layout.vocab_axis
-    v_rows = weight.shape[v_axis] if real_rows is None else real_rows  # the walk covers the real rows
+    db (with a bias) is the chunk's column sum of dz written at the offset. `padding`: the
+    weight's trailing padding rows (at or beyond vocab_size), all inside the last chunk (when
+    chunk divides the rows, the last full chunk is walked as that last chunk): the dz kernel
+    gives them dz = 0 (a select), so their dW rows are zeros, and the last dh GEMM reads a
+    zero-masked copy of the last chunk (L rows) at offset 0, so no value held there (NaN, inf)
+    reaches dh; the same products, so the same bytes as the in-place read of finite padding.
+    Returns (dh [n_pad, D] f32, dW in the weight's layout and dtype, db or None)."""
+    v_rows = weight_layout.vocab_rows(weight)
     n_full, tail = divmod(v_rows, chunk)
+    if padding and not tail:  # the padding rows sit in the last full chunk: walk it last, on its own
+        n_full, tail = n_full - 1, chunk
     bias32 = None if bias is None else bias.astype(jnp.float32)
 
     def dz_at(bounds, length):
@@ -614,14 +630,10 @@ def _in_place_walk(
     dh = jnp.zeros(hp.shape, jnp.float32)
     dw = lax.empty(weight.shape, weight.dtype)  # every row is written (see the docstring)
     db = None if bias is None else lax.empty(bias.shape, jnp.float32)
-    pad = weight.shape[v_axis] - v_rows
-    if pad:  # padding rows: never walked, exact zeros (written before the kernels alias the buffer)
-        dw = weight_layout.put_chunk(dw, jnp.zeros(weight_layout.shape(pad, hp.shape[1]), weight.dtype), v_rows)
-        db = None if db is None else lax.dynamic_update_slice_in_dim(db, jnp.zeros((pad,), jnp.float32), v_rows, 0)
     dh, dw, db = vma.like((dh, dw, db), *operands)
     dz_first = None  # the last chunk's dz where its dW rows are written before the scan
     if tail:
-        length = chunk if last_len is None else int(last_len)
+        length = int(last_len) if last_len else chunk
         if not tail <= length <= chunk:
             raise ValueError(f"the last chunk's length must be in [{tail}, {chunk}], got {length}")
         col0, start = length - tail, v_rows - length
@@ -630,13 +642,19 @@ def _in_place_walk(
             dz_first = dz_at(bounds, length)
             dw = walk.dw(dw, dz_first, hp, start, col0=0, cols=length, weight_layout=weight_layout)
             dh, dw, db = vma.like((dh, dw, db_at(db, dz_first, col0, start + col0)), *operands)
-    table = jnp.asarray(
-        [[i * chunk, i * chunk, vocab_size] for i in range(n_full)], jnp.int32
-    )  # (start, lo, hi) per chunk: a constant of the program
-    (dh, dw, db), _ = lax.scan(lambda c, b: (step(c, b), None), (dh, dw, db), table)
+    if n_full:
+        table = jnp.asarray(
+            [[i * chunk, i * chunk, vocab_size] for i in range(n_full)], jnp.int32
+        )  # (start, lo, hi) per chunk: a constant of the program
+        (dh, dw, db), _ = lax.scan(lambda c, b: (step(c, b), None), (dh, dw, db), table)
     if tail:
         dz = dz_at(bounds, length) if dz_first is None else dz_first
-        dh = walk.dh(dh, dz, weight, start, weight_layout=weight_layout)
+        if padding:  # the last chunk holds the padding rows: dh reads them as zeros
+            real = _padding_mask(weight_layout, start + jnp.arange(length), vocab_size, v_rows)
+            w_last = jnp.where(real, weight_layout.chunk(weight, start, length), 0)
+            dh = walk.dh(dh, dz, w_last, 0, weight_layout=weight_layout)
+        else:
+            dh = walk.dh(dh, dz, weight, start, weight_layout=weight_layout)
         if dz_first is None:
             dw = walk.dw(dw, dz, hp, start + col0, col0=col0, cols=tail, weight_layout=weight_layout)
             db = db_at(db, dz, col0, start + col0)

@@ -7,12 +7,14 @@ bytes. The GPU run of the same checks is tests/gpu/test_grad_gpu.py.
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from detlogp_jax import backends, grad
+from detlogp_jax.layout import VD, as_layout
 from tests.helpers import assert_bitwise_equal, rel_err, row_mismatches
 
 pk = pytest.importorskip("pallas_kernels.sm90_dz")
@@ -142,7 +144,7 @@ def _reference_dz_kernel(calls):
     backward's wrapper (row padding, chunk clamping, lo/hi, target shift) fast."""
 
     def kern(hp, w_c, b_c, tgt, inv_t, lse, c1, c2, lo, hi, weight_layout):
-        assert weight_layout == "vd"
+        assert weight_layout is VD
         calls.append(hp.shape)
         z = jnp.einsum("nd,vd->nv", hp, w_c, preferred_element_type=jnp.float32)
         if b_c is not None:
@@ -263,7 +265,7 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
     # scan as a chunk of their own (the kernels tile them), while 320 / 64 take a longer chunk
     # (L = 512 / 256) whose whole dW block is written before the scan
     tail = v_rows % chunk
-    length = grad._last_chunk_len(in_place, h, wl, chunk, layout)
+    length = grad._last_chunk_len(in_place, h, wl, chunk, as_layout(layout))
     want_calls = [(0, chunk), (0, tail)] if tail % 256 == 0 else [(0, length), (0, chunk)]
     assert [(c["col0"], c["cols"]) for c in traced] == want_calls, traced
     for name, g_, e, bound in zip(("hidden", "weight", "bias"), got, want, (1e-3, 1e-2, 0)):
@@ -281,6 +283,47 @@ def test_in_place_walk_matches_the_slice_walk(layout, entropy, v_rows):
         for name, g_, g2 in zip(("hidden", "weight", "bias"), got, again)
     }
     assert all(rows == 0 for rows, _ in moved.values()), f"two runs differ (rows, max_abs_diff): {moved}"
+
+
+@pytest.mark.parametrize(
+    "layout,v_rows",
+    [("vd", 1024), pytest.param("dv", 1344, marks=pytest.mark.slow)],
+    ids=["vd-no-tail", "dv-tail320"],
+)
+def test_in_place_walk_keeps_nan_padding_rows_out(layout, v_rows):
+    """NaN / inf in the weight's and bias's padding rows (at or beyond vocab_size) reach no
+    gradient of the in-place walk: dh, dW and db equal the walk's on clean padding rows byte
+    for byte, dW's and db's padding rows are +0.0; the walk still runs in place (the padding
+    rows in its last chunk: a tail of 320 walked as 512, or, where the chunk divides the rows,
+    the last full chunk walked on its own) (interpret mode)."""
+    rng = np.random.default_rng(11)
+    n, d, chunk = 12, 256, 512
+    vocab = v_rows - 40
+    h, w, b, t, inv_t, lse, g_logp, g_lse, _, _ = _walk_case(rng, n, d, v_rows, vocab)
+    w_bad = np.array(w, np.float32)
+    w_bad[vocab:] = np.nan
+    w_bad[vocab + 1] = np.inf
+    b_bad = np.array(b)
+    b_bad[vocab:] = np.nan
+    entry = backends.get("pallas_sm90").dz
+    walk = _interpret_walk()
+    calls = []
+    counted = dataclasses.replace(walk, dw=lambda *a, **k: calls.append((k["col0"], k["cols"])) or walk.dw(*a, **k))
+    in_place = dataclasses.replace(entry, fn=lambda *a, **k: pk.dz_chunk(*a, interpret=True, **k), in_place=counted)
+    lay = lambda x: x.T if layout == "dv" else x  # noqa: E731
+    outs = []
+    with row_invariant_wgmma():
+        for ww, bb in ((w, b), (jnp.asarray(w_bad, jnp.bfloat16), jnp.asarray(b_bad))):
+            args = (h, lay(ww), bb, t, inv_t, lse, g_logp, g_lse, None)
+            outs.append(grad.backward(*args, vocab_size=vocab, chunk=chunk, dz=in_place, weight_layout=layout))
+    assert calls, "the in-place walk did not run"
+    clean, dirty = outs
+    for name, g_, c in zip(("hidden", "weight", "bias"), dirty, clean):
+        g_, c = np.asarray(g_, np.float32), np.asarray(c, np.float32)
+        assert np.isfinite(g_).all(), name
+        assert_bitwise_equal(g_, c)
+    dw = np.asarray(dirty[1], np.float32)
+    assert np.all(lay(dw)[vocab:].view(np.uint32) == 0) and np.all(np.asarray(dirty[2])[vocab:].view(np.uint32) == 0)
 
 
 @pytest.mark.slow
@@ -339,7 +382,7 @@ def test_last_chunk_length_gives_the_clamped_chunks_bytes(layout, v_rows, length
     wl = w.T if layout == "dv" else w
     calls = []
     counted = dataclasses.replace(walk, dz=lambda *a, **k: calls.append(k["chunk"]) or walk.dz(*a, **k))
-    args = (hp, wl, b, padr(t, -1), rows, {}, vocab, chunk, layout, (hp, wl))
+    args = (hp, wl, b, padr(t, -1), rows, {}, vocab, chunk, as_layout(layout), (hp, wl))
     with row_invariant_wgmma():
         outs = [grad._in_place_walk(counted, *args, last_len=length) for length in lengths]
     tail = v_rows % chunk
@@ -351,7 +394,7 @@ def test_last_chunk_length_gives_the_clamped_chunks_bytes(layout, v_rows, length
     assert np.abs(np.asarray(outs[0][0], np.float32)[:n]).max() > 0
     # grad's choice: r itself where the kernels tile it (256), else r rounded up (64 -> 256)
     dzk = dataclasses.replace(backends.get("pallas_sm90").dz, in_place=walk)
-    assert grad._last_chunk_len(dzk, hp, wl, chunk, layout) == 256
+    assert grad._last_chunk_len(dzk, hp, wl, chunk, as_layout(layout)) == 256
     with pytest.raises(ValueError, match="last chunk's length"):
         grad._in_place_walk(counted, *args, last_len=v_rows % chunk - 1)
 
@@ -369,7 +412,7 @@ def test_last_chunk_length_at_real_heads(layout):
     chunk = grad.IN_PLACE_CHUNK
     for v_rows, want in ((152064, 4608), (38016, 5376), (19008, 2816), (50304, 1280), (131072, 0)):
         w = S((v_rows, 4096) if layout == "vd" else (4096, v_rows), jnp.bfloat16)
-        got = grad._last_chunk_len(dzk, S((4096, 4096), jnp.bfloat16), w, chunk, layout)
+        got = grad._last_chunk_len(dzk, S((4096, 4096), jnp.bfloat16), w, chunk, as_layout(layout))
         assert got == want, (v_rows, got)
 
 
@@ -469,8 +512,8 @@ def test_default_chunk_follows_the_walk_not_the_rows():
         return jnp.zeros((hp.shape[0], chunk), jnp.bfloat16)
 
     def fake_fn(hp, w_c, *a, weight_layout, **k):
-        seen.append(("slices", w_c.shape[0 if weight_layout == "vd" else 1]))
-        return jnp.zeros((hp.shape[0], w_c.shape[0 if weight_layout == "vd" else 1]), jnp.bfloat16)
+        seen.append(("slices", weight_layout.vocab_rows(w_c)))
+        return jnp.zeros((hp.shape[0], weight_layout.vocab_rows(w_c)), jnp.bfloat16)
 
     walk = dataclasses.replace(entry.in_place, dz=fake_dz, dh=lambda dh, *a, **k: dh, dw=lambda dw, *a, **k: dw)
     S = jax.ShapeDtypeStruct
@@ -495,10 +538,12 @@ def test_default_chunk_follows_the_walk_not_the_rows():
 @pytest.mark.parametrize("v_rows", [1280, 1600], ids=["tail256", "tail64-rounded"])
 def test_in_place_walk_inside_shard_map_with_vma_checks(v_rows):
     """Inside `jax.shard_map(..., check_vma=True)` (a one-device mesh: the vocab axis is manual)
-    with the shard's vocab size traced from the rank (as `sharding.tp` passes it) the in-place
-    walk traces (its kernels' results take the operands' mesh axes) and gives the same bytes
-    as outside (interpret mode); also with a last chunk rounded up (64 columns walked as 256,
-    whose whole dW block is written before the full chunks)."""
+    the in-place walk traces (its kernels' results take the operands' mesh axes) and gives the
+    same bytes as outside (interpret mode); also with a last chunk rounded up (64 columns walked
+    as 256, whose whole dW block is written before the full chunks). With the shard's vocab size
+    traced from the rank (how many of its rows are padding is then not static) the walk is the
+    slice walk, whose masks keep any padding row out, within the rounding of another FP32
+    summation order."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -510,22 +555,38 @@ def test_in_place_walk_inside_shard_map_with_vma_checks(v_rows):
         entry, fn=lambda *a, **k: pk.dz_chunk(*a, interpret=True, **k), in_place=_interpret_walk()
     )
 
-    def local(h, w, b, t):
-        # as sharding.tp passes it: the shard's real columns, traced from the rank
-        v_loc = jnp.clip(vocab - jax.lax.axis_index("tp") * v_rows, 0, v_rows)
+    walked = []
+    walk = dzk.in_place
+    dzk = dataclasses.replace(
+        dzk, in_place=dataclasses.replace(walk, dz=lambda *a, **k: walked.append(1) or walk.dz(*a, **k))
+    )
+
+    def local(h, w, b, t, traced=False):
+        # traced: the shard's real columns from the rank (as `sharding.tp` forms them)
+        v_loc = jnp.clip(vocab - jax.lax.axis_index("tp") * v_rows, 0, v_rows) if traced else vocab
         dh, dw, db = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=v_loc, chunk=chunk, dz=dzk)
         return dh[None], dw, db
 
     mesh = jax.make_mesh((1,), ("tp",))
     put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
-    f = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp"), P("tp")), check_vma=True
-    )
+    specs = dict(in_specs=(P(), P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp"), P("tp")), check_vma=True)
+    ops = (put(h, P()), put(w, P("tp")), put(b, P("tp")), put(t, P()))
     with row_invariant_wgmma():
-        got = jax.jit(f)(put(h, P()), put(w, P("tp")), put(b, P("tp")), put(t, P()))
+        got = jax.jit(jax.shard_map(local, mesh=mesh, **specs))(*ops)
+        assert walked, "the in-place walk did not run"
+        walked.clear()
+        traced = jax.jit(jax.shard_map(functools.partial(local, traced=True), mesh=mesh, **specs))(*ops)
+        assert not walked, "a traced vocab size took the in-place walk"
         want = grad.backward(h, w, b, t, inv_t, lse, g_logp, g_lse, None, vocab_size=vocab, chunk=chunk, dz=dzk)
     for g_, e in zip((got[0][0], got[1], got[2]), want):
         assert_bitwise_equal(np.asarray(g_, np.float32), np.asarray(e, np.float32))
+    for name, g_, e, bound in zip(
+        ("hidden", "weight", "bias"), (traced[0][0], traced[1], traced[2]), want, (1e-3, 1e-2, 0)
+    ):
+        if bound:
+            assert rel_err(g_, e) < bound, (name, rel_err(g_, e))
+        else:
+            assert_bitwise_equal(np.asarray(g_), np.asarray(e))
 
 
 def test_gradient_gemms_with_clusters_lower_and_interpret_mode_refuses_them():
@@ -619,12 +680,12 @@ def test_no_xla_update_of_the_kernels_dw(layout):
     S = jax.ShapeDtypeStruct
     dzk = backends.get("pallas_sm90").dz
     n, d, chunk = 12, 256, 512
-    for v_rows in (576, 1600, 1280):
+    for v_rows in (576, 1600, 1280, 1024):  # 1024: the chunk divides the rows, padding in the last one
         shape = (v_rows, d) if layout == "vd" else (d, v_rows)
         vec = S((n,), jnp.float32)
         args = (S((n, d), jnp.bfloat16), S(shape, jnp.bfloat16), S((v_rows,), jnp.bfloat16), S((n,), jnp.int32))
         args += (vec, vec, vec, vec)
-        assert grad._in_place_ok(dzk, args[0], args[1], chunk, layout), v_rows
+        assert grad._in_place_ok(dzk, args[0], args[1], chunk, as_layout(layout)), v_rows
 
         def f(*a):
             return grad.backward(*a, None, vocab_size=v_rows - 40, chunk=chunk, dz=dzk, weight_layout=layout)

@@ -773,10 +773,11 @@ def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
     [D, V] kernel with V % 64 == 0 is served, one with V % 64 != 0 raises for an explicit
     request and falls back under auto (on this CPU the backend is made 'available')."""
     from detlogp_jax import backends
+    from detlogp_jax.layout import DV, VD
 
     be = backends.get("pallas_sm90")
-    assert be.layouts == frozenset({"vd", "dv"})
-    assert be.dz.layouts == frozenset({"vd", "dv"})  # the dz kernel reads [D, chunk] slices too
+    assert be.layouts == frozenset({VD, DV}) and be.reads("dv") and be.reads(DV)
+    assert be.dz.layouts == frozenset({VD, DV})  # the dz kernel reads [D, chunk] slices too
     fake = type(be)(**{**be.__dict__, "available": lambda: True})
     monkeypatch.setitem(backends._LOADED, "pallas_sm90", fake)
     h = jax.ShapeDtypeStruct((4, 128), jnp.bfloat16)
