@@ -23,9 +23,9 @@ on first use, and a plugin that does not import is registered as unavailable wit
 error as its reason.
 
 The built-in entries take their ops from the op modules by these names (an op module or name
-that is missing leaves the op unserved): `detlogp_jax.body.matmul`: `reference_matmul`,
+that is missing leaves the op unserved): `detlogp_jax.body.gemm`: `reference_matmul`,
 `reference_supports_matmul`, `xla_matmul`, `xla_supports_matmul`;
-`detlogp_jax.body.attention`: `reference_attention`, `reference_supports_attention`,
+`detlogp_jax.body.kv_attention`: `reference_attention`, `reference_supports_attention`,
 `xla_attention`, `xla_supports_attention`.
 """
 
@@ -63,8 +63,8 @@ class BodyBackend:
 
     matmul(x2 [M, K], w, *, w_layout: str, out_dtype) -> [M, N], operands already validated
     by `body.matmul`; supports_matmul(x2, w, w_layout) -> (ok, why).
-    attention(q, k, v, *, q_positions, kv_start, kv_length, scale, block) -> [B, T, Hq, Dh],
-    arrays already validated by `body.attention`; supports_attention(q, k, v) -> (ok, why).
+    attention(q, k, v, *, q_positions, kv_start, scale, out_dtype) -> [B, T, Hq, Dh], arrays
+    already validated by `body.attention`; supports_attention(q, k, v) -> (ok, why).
     An op left None is not served by this backend.
     """
 
@@ -182,8 +182,8 @@ def _op_functions(module: str, prefix: str, op: str) -> dict:
 
 
 def _builtin(prefix: str) -> dict:
-    ops = _op_functions("detlogp_jax.body.matmul", prefix, "matmul")
-    ops.update(_op_functions("detlogp_jax.body.attention", prefix, "attention"))
+    ops = _op_functions("detlogp_jax.body.gemm", prefix, "matmul")
+    ops.update(_op_functions("detlogp_jax.body.kv_attention", prefix, "attention"))
     return ops
 
 

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from detlogp_jax.body.matmul import w_layout_of
+from detlogp_jax.body.gemm import w_layout_of
 from pallas_kernels import tuning
 from pallas_kernels.body import matmul_config as mc
 from pallas_kernels.body import matmul_kernel

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The batch-invariant body GEMM (detlogp_jax.body.matmul, pallas_sm90) on the H200, one device call:
+# The batch-invariant body GEMM (detlogp_jax.body.gemm, pallas_sm90) on the H200, one device call:
 #   1. tests/gpu/test_body_gpu.py: float64 correctness, row bytes across M / positions / NaN rows
 #      (ours 0 rows differing, asserted; plain XLA recorded), buckets and CTA counts, the measured
 #      kn-vs-nk and instruction-N lines; its table closes the log.

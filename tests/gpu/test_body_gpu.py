@@ -1,4 +1,4 @@
-"""The batch-invariant body GEMM (`detlogp_jax.body.matmul`, backend pallas_sm90) on a Hopper GPU.
+"""The batch-invariant body GEMM (`detlogp_jax.body.gemm`, backend pallas_sm90) on a Hopper GPU.
 
     PYTHONPATH=. python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_body_gpu.py
 

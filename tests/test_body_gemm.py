@@ -1,4 +1,4 @@
-"""detlogp_jax.body.matmul on CPU: the reference's row bytes are batch invariant, its values are
+"""detlogp_jax.body.gemm on CPU: the reference's row bytes are batch invariant, its values are
 right, the API refuses what it does not support, strict mode and explicit backends behave as the
 operator's do, and plain XLA's dot is shown NOT to be row invariant on XLA:CPU."""
 
