@@ -4,6 +4,7 @@
 accumulator per element and one fixed ascending K order (`detlogp_jax.body.gemm`).
 `attention(q, k, v, q_positions=...)`: causal GQA attention over a KV cache whose query rows
 have the same bytes in a prefill, a chunk of one or a decode step (`detlogp_jax.body.kv_attention`).
+`rms_norm(x, scale)`: RMSNorm with a pinned reduction (`detlogp_jax.body.norm`).
 Backends are chosen by name through `detlogp_jax.body.backends` ("auto", "reference",
 "pallas_sm90", "xla"), under the operator's strict mode (`detlogp_jax.strict_mode()`).
 """
@@ -13,6 +14,7 @@ from detlogp_jax.body import backends
 from detlogp_jax.body.backends import BodyBackend
 from detlogp_jax.body.gemm import einsum, matmul
 from detlogp_jax.body.kv_attention import attention
+from detlogp_jax.body.norm import rms_norm
 
 __all__ = [
     "BackendUnavailableError",
@@ -22,5 +24,6 @@ __all__ = [
     "backends",
     "einsum",
     "matmul",
+    "rms_norm",
     "strict_mode",
 ]
