@@ -106,13 +106,21 @@ def test_entropy_off_where_the_backend_has_none(monkeypatch):
     assert resolve_config(ValidateConfig(backend="reference", entropy=False, out_dir=None)).entropy is False
 
 
-def test_end_to_end_row_present(report):
+def test_end_to_end_exact_with_the_invariant_body(report):
+    """The default body is batch invariant: the trainer's own forward (shuffled sequences, other
+    batch sizes) gives the rollout's hidden states and logp bytes; the plain XLA body on the
+    same tokens is row (c), whose drift is reported (it differs on XLA:CPU: decode and prefill
+    attention shapes)."""
+    assert report["config"]["body"] == "batch_invariant" and report["model"]["body"] == "batch_invariant"
     e2e = _row(report, "contract", "(b)")
-    assert e2e["rows"] == 12
-    # Drift here can only come from the body: the operator row is exact.
-    hd = report["hidden_state_drift"]
-    if e2e["mismatch_count"]:
-        assert hd["rows_differ"] > 0
+    assert e2e["rows"] == 12 and e2e["mismatch_count"] == 0 and e2e["max_abs_k3"] == 0.0
+    assert report["hidden_state_drift"]["rows_differ"] == 0
+    by = {c["key"]: c for c in report["claims"]}
+    assert by["end_to_end"]["status"] == "PASS" and by["xla_body"]["status"] == "INFO"
+    xb = _row(report, "contract", "(c)")
+    assert xb["rows"] == 12 and report["xla_body_hidden_drift"]["rows"] == 12
+    assert report["xla_body_hidden_drift"]["rows_differ"] > 0
+    assert len(report["per_step"]["body_xla"]["mismatch"]) == 12
 
 
 def test_verdict_names_what_passed(report):
@@ -120,8 +128,41 @@ def test_verdict_names_what_passed(report):
     assert "\n" not in v and v.startswith("VERDICT: PASS -- ")
     for what in ("operator rows exact", "replay exact", "fingerprints equal", "no fallback"):
         assert what in v
-    if _row(report, "contract", "(b)")["mismatch_count"]:
-        assert "comes from the model body's attention/FFN" in v and "not from the op" in v
+    assert "end to end exact with the batch-invariant body too (0/12 rows differ)" in v
+    assert "the plain XLA body on the same tokens drifts in" in v and "not the operator's" in v
+
+
+def test_plain_xla_body_run_reports_the_body_drift(tmp_path):
+    """body="xla": no row (c); the end-to-end claim is informational ("DRIFT (body)" when only
+    the body drifts) and the verdict says the operator is exact and the drift is the body's,
+    with the number."""
+    rep = run_validation(
+        ValidateConfig(preset="tiny", batch=3, steps=4, body="xla", out_dir=None, progress=False, time_reps=0)
+    )
+    assert not any(r["check"].startswith("(c)") for r in rep["rows"])
+    by = {c["key"]: c for c in rep["claims"]}
+    assert "xla_body" not in by and rep["ok"]
+    e2e = _row(rep, "contract", "(b)")
+    if e2e["mismatch_count"]:
+        assert by["end_to_end"]["status"] == "DRIFT (body)"
+        assert "is the plain XLA body's: its decode and prefill hidden states differ in" in rep["verdict"]
+        assert f"({e2e['mismatch_count']}/12 rows" in rep["verdict"]
+    assert rep["hidden_state_drift"]["rows_differ"] > 0
+
+
+def test_a_drifting_invariant_body_fails_the_run(report):
+    """With the batch-invariant body, end-to-end drift is a failure, not information."""
+    from detlogp_jax.apps.claims import build_claims
+
+    rows = [dict(r) for r in report["rows"] if not r["check"].startswith("(c)")]
+    rows[1]["mismatch_count"] = 2
+    hidden = dict(report["hidden_state_drift"], rows_differ=2)
+    claims = build_claims(
+        rows, report["provenance"], [], report["fingerprints"], report["replay"], hidden, True, (), "batch_invariant"
+    )
+    assert next(c for c in claims if c["key"] == "end_to_end")["status"] == "FAIL"
+    claims = build_claims(rows, report["provenance"], [], report["fingerprints"], report["replay"], hidden, True)
+    assert next(c for c in claims if c["key"] == "end_to_end")["status"] == "DRIFT (body)"
 
 
 def test_report_files(report):

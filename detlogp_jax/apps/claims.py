@@ -8,10 +8,14 @@ Claims (in this order, each with a short `key`):
 3. `no_fallback`: no call site fell back (strict mode forbids it anyway);
 4. `fingerprints`: the lm_head fingerprints are equal (checked before scoring);
 5. `replay`: the sampler's processed logprob replays bit-exactly from the op's logits;
-6. `end_to_end`: row (b); PASS, or "DRIFT (body)" (informational) when only
-   the body drifts, i.e. row (a) is exact; "DRIFT" (a failure) otherwise;
-7. `baseline`: the XLA materialized lane's rows (INFO);
-8. `entropy`: the trainer's entropy bytes of the packed rows (a) equal the rollout's
+6. `end_to_end`: row (b), the run's own body. With the batch-invariant body it is
+   PASS/FAIL (the body promises the bytes). With the plain XLA body: PASS, or
+   "DRIFT (body)" (informational) when only the body drifts, i.e. row (a) is exact;
+   "DRIFT" (a failure) otherwise;
+7. `xla_body`: row (c), the plain XLA body end to end on the same tokens (INFO: what
+   the invariant body removes), when it ran;
+8. `baseline`: the XLA materialized lane's rows (INFO);
+9. `entropy`: the trainer's entropy bytes of the packed rows (a) equal the rollout's
    (PASS/FAIL; N/A when the backend does not produce the entropy or it was not asked).
 
 `report["ok"]` is True when no PASS/FAIL claim failed. These modules take the
@@ -34,18 +38,21 @@ __all__ = ["build_rows", "build_entropy_rows", "build_claims", "build_report", "
 
 OP_CHECK = "(a) operator: rollout hidden states"
 E2E_CHECK = "(b) end to end: trainer's own forward"
+XLA_BODY_CHECK = "(c) end to end, plain XLA body"
+BODY_NAMES = {"batch_invariant": "batch-invariant body", "xla": "plain XLA body"}
 
 
 def _status(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def build_rows(rollout, scores, provenance: dict) -> tuple[list[dict], dict[str, dict]]:
+def build_rows(rollout, scores, provenance: dict, xla_body=None) -> tuple[list[dict], dict[str, dict]]:
     """(rows, per_step): the byte comparisons of every lane x check, whole-run and per decode step.
 
     Keeps: rows[0] and rows[1] are the contract (or main) lane's (a) and (b),
-    rows[2:4] the XLA baseline's when it ran; per_step has one entry per row,
-    keyed `<lane>_<a|b>`, with B-row statistics for each of the S steps.
+    rows[2:4] the XLA baseline's when it ran, the last row (c) when the plain XLA
+    body was compared (`check == XLA_BODY_CHECK`); per_step has one entry per row,
+    keyed `<lane>_<a|b>` or `body_xla`, with B-row statistics for each of the S steps.
     """
     trainer = provenance.get("trainer", {})
     lane = "contract" if trainer.get("contract_bearing") else "main (non-contract)"
@@ -59,6 +66,8 @@ def build_rows(rollout, scores, provenance: dict) -> tuple[list[dict], dict[str,
             ("baseline", "xla", OP_CHECK, "xla_a", rollout.xla_logp, scores.xla_logp_a),
             ("baseline", "xla", E2E_CHECK, "xla_b", rollout.xla_logp, scores.xla_logp_b),
         ]
+    if xla_body is not None:
+        pairs.append((lane, be, XLA_BODY_CHECK, "body_xla", xla_body.rollout_logp, xla_body.trainer_logp))
     rows = [dict(lane=ln, backend=b, check=chk, **compare_logp(r, t)) for ln, b, chk, _, r, t in pairs]
     steps = {key: per_step(r, t) for _, _, _, key, r, t in pairs}
     return rows, steps
@@ -95,8 +104,15 @@ def _entropy_claim(entropy_rows, provenance) -> dict:
     )
 
 
-def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, strict, entropy_rows=()) -> list[dict]:
-    """The claims table (see the module docstring); each claim has key, claim, status, evidence."""
+def _row(rows, check):
+    return next((r for r in rows if r["check"] == check), None)
+
+
+def build_claims(
+    rows, provenance, fallbacks, fingerprints, replay, hidden, strict, entropy_rows=(), body="xla", xla_hidden=None
+) -> list[dict]:
+    """The claims table (see the module docstring); each claim has key, claim, status, evidence.
+    body: the run's body ("batch_invariant" or "xla"); xla_hidden: row (c)'s hidden-state drift."""
     side_r, side_t = provenance.get("rollout_logp", {}), provenance.get("trainer", {})
     same_backend = (
         bool(side_r)
@@ -106,6 +122,11 @@ def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, stri
     op, e2e = rows[0], rows[1]
     op_exact = op["mismatch_count"] == 0 and op["nonfinite"] == 0
     body_only = bool(e2e["mismatch_count"]) and op["mismatch_count"] == 0
+    invariant = body == "batch_invariant"
+    if invariant:
+        e2e_status = _status(e2e["mismatch_count"] == 0 and e2e["nonfinite"] == 0)
+    else:
+        e2e_status = "PASS" if e2e["mismatch_count"] == 0 else "DRIFT (body)" if op["mismatch_count"] == 0 else "DRIFT"
     claims = [
         dict(
             key="operator",
@@ -141,8 +162,8 @@ def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, stri
         ),
         dict(
             key="end_to_end",
-            claim="End to end (trainer's own full-sequence forward)",
-            status="PASS" if e2e["mismatch_count"] == 0 else "DRIFT (body)" if op["mismatch_count"] == 0 else "DRIFT",
+            claim=f"End to end with the {BODY_NAMES[body]} (trainer's own full-sequence forward, other batches)",
+            status=e2e_status,
             evidence=(
                 f"{e2e['mismatch_count']}/{e2e['rows']} logp rows differ (max|K3|={e2e['max_abs_k3']:.3g}); "
                 f"hidden states differ in {hidden['rows_differ']}/{hidden['rows']} rows "
@@ -151,7 +172,19 @@ def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, stri
             ),
         ),
     ]
-    if len(rows) > 2:
+    xb = _row(rows, XLA_BODY_CHECK)
+    if xb is not None:
+        claims.append(
+            dict(
+                key="xla_body",
+                claim="End to end with the plain XLA body, same tokens (what the invariant body removes)",
+                status="INFO",
+                evidence=f"{xb['mismatch_count']}/{xb['rows']} logp rows differ (max|K3|={xb['max_abs_k3']:.3g}); "
+                f"hidden states differ in {xla_hidden['rows_differ']}/{xla_hidden['rows']} rows "
+                f"(max_abs_diff={xla_hidden['max_abs_diff']:.3g})",
+            )
+        )
+    if len(rows) > 2 and rows[2]["lane"] == "baseline":
         xa, xb = rows[2], rows[3]
         claims.append(
             dict(
@@ -166,7 +199,7 @@ def build_claims(rows, provenance, fallbacks, fingerprints, replay, hidden, stri
     return claims
 
 
-def _claims_ok(claims) -> bool:
+def _claims_ok(claims) -> bool:  # DRIFT (body) is informational: the plain XLA body promises nothing
     return all(c["status"] in ("PASS", "INFO", "DRIFT (body)") or c["status"].startswith("N/A") for c in claims)
 
 
@@ -195,13 +228,24 @@ def verdict(report: dict[str, Any]) -> str:
         head = "VERDICT: NO CONTRACT CLAIM (non-contract backend) -- "
     else:
         head = "VERDICT: PASS -- "
+    body = report["config"].get("body", "xla")
+    name = BODY_NAMES[body]
+    xb = _row(report["rows"], XLA_BODY_CHECK)
     if e2e["mismatch_count"] == 0:
-        tail = f"no end-to-end drift between rollout and trainer either (0/{e2e['rows']} rows)"
+        tail = f"end to end exact with the {name} too (0/{e2e['rows']} rows differ)"
+        if xb is not None:
+            xh = report["xla_body_hidden_drift"]
+            tail += (
+                f"; the plain XLA body on the same tokens drifts in {xb['mismatch_count']}/{xb['rows']} rows "
+                f"(max|K3| {xb['max_abs_k3']:.3g}; its decode and prefill hidden states differ in "
+                f"{xh['rows_differ']}/{xh['rows']} rows): that drift is the body's, not the operator's"
+            )
     elif op["mismatch_count"] == 0:
         tail = (
-            f"end-to-end drift between rollout and trainer ({e2e['mismatch_count']}/{e2e['rows']} rows, "
-            f"max|K3| {e2e['max_abs_k3']:.3g}) comes from the model body's attention/FFN "
-            f"(hidden states differ in {hd['rows_differ']}/{hd['rows']} rows), not from the op"
+            f"the operator is exact, so the end-to-end drift ({e2e['mismatch_count']}/{e2e['rows']} rows, "
+            f"max|K3| {e2e['max_abs_k3']:.3g}) is the {name}'s: its decode and prefill hidden states differ in "
+            f"{hd['rows_differ']}/{hd['rows']} rows"
+            + (" (a FAILURE of the batch-invariant body)" if body == "batch_invariant" else "")
         )
     else:
         tail = (
@@ -219,6 +263,7 @@ def build_report(
     fallback_warnings: list[str],
     op_timing: dict | None,
     *,
+    xla_body=None,
     command: str,
     git_rev: str | None,
 ) -> dict[str, Any]:
@@ -231,7 +276,7 @@ def build_report(
     N = cfg.batch * cfg.steps
     provs = setup.rec.records
     fallbacks = [role for role, p in provs.items() if p.get("fallback")] + fallback_warnings
-    rows, steps = build_rows(rollout, scores, provs)
+    rows, steps = build_rows(rollout, scores, provs, xla_body)
     fingerprints = {
         "rollout": rollout.fingerprint,
         "trainer": scores.fingerprint,
@@ -240,7 +285,16 @@ def build_report(
     replay = {"bit_exact": replay_exact, "rows": N}
     hidden = {"rows_differ": scores.hidden_rows_differ, "rows": N, "max_abs_diff": scores.hidden_max_abs_diff}
     entropy_rows = build_entropy_rows(rollout, scores)
-    claims = build_claims(rows, provs, fallbacks, fingerprints, replay, hidden, cfg.strict, entropy_rows)
+    xla_hidden = None
+    if xla_body is not None:
+        xla_hidden = {
+            "rows_differ": xla_body.hidden_rows_differ,
+            "rows": N,
+            "max_abs_diff": xla_body.hidden_max_abs_diff,
+        }
+    claims = build_claims(
+        rows, provs, fallbacks, fingerprints, replay, hidden, cfg.strict, entropy_rows, cfg.body, xla_hidden
+    )
     info = backends.platform_info()
     report = {
         "tool": "detlogp_jax.validate",
@@ -260,12 +314,15 @@ def build_report(
             "prompt_len": P,
             "seq_len": P + cfg.steps,
             "tp": cfg.tp,
+            "body": cfg.body,
+            "body_backend": cfg.body_backend,
         },
         "sampling_program": dataclasses.asdict(setup.program),
         "shapes": {
             "rollout_rows_per_step": cfg.batch,
             "trainer_rows": N,
             "trainer_order": "shuffled (seeded permutation)",
+            "trainer_sequences_per_forward": cfg.trainer_batch,
         },
         "provenance": provs,
         "fallbacks": fallbacks,
@@ -274,6 +331,7 @@ def build_report(
         "entropy_rows": entropy_rows,
         "per_step": steps,
         "hidden_state_drift": hidden,
+        "xla_body_hidden_drift": xla_hidden,
         "replay": replay,
         "op_timing": op_timing,
         "claims": claims,

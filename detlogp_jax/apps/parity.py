@@ -16,9 +16,18 @@ A small random Flax NNX decoder LM (`detlogp_jax.apps.toy_lm`, lm_head =
   with the trainer entry (`return_logits=False`):
   (a) operator: given the rollout's own hidden states;
   (b) end to end: with hidden states from its own teacher-forced causal
-      full-sequence forward of the body.
+      full-sequence forward of the body, the sequences in another order and
+      in forward calls of another batch size (`trainer_batch`, the last call
+      padded with dummy sequences).
   Both again with the XLA materialized baseline (`backend="xla"`).
   It also replays the sampler's processed logprob from the op's logits.
+* BODY: the model body of both sides (`body`): "batch_invariant" (the
+  default: `detlogp_jax.body`'s GEMM, attention over the KV cache and RMSNorm,
+  so a decode step and the full-sequence forward give the same hidden states)
+  or "xla" (Flax's layers as XLA builds them). With an invariant body the run
+  also measures the plain XLA body on the same tokens (`compare_xla_body`):
+  (c) a teacher-forced decode of the sampled tokens and the trainer's forward,
+  both with the XLA body, scored by the contract op.
 
 Rows report mismatch_count (rows whose logp bytes differ), max_abs_diff and
 max |K3| with rho = exp(logp_trainer - logp_rollout), K3 = rho - 1 - log(rho)
@@ -63,7 +72,7 @@ from detlogp_jax import fingerprint as fp_lib
 from detlogp_jax.apps import claims as claims_lib
 from detlogp_jax.apps import report as report_lib
 from detlogp_jax.apps.metrics import bits, row_mismatch
-from detlogp_jax.apps.toy_lm import ToyLM, ToyLMConfig
+from detlogp_jax.apps.toy_lm import BODIES, ToyLM, ToyLMConfig
 
 __all__ = ["PRESETS", "ValidateConfig", "hopper_available", "resolve_config", "run_validation"]
 
@@ -123,6 +132,10 @@ class ValidateConfig:
     model_overrides: dict = dataclasses.field(default_factory=dict)  # e.g. {"d_model": 32}
     corrupt_trainer_weight: bool = False  # test hook: flip one bit of the trainer's lm_head copy
     entropy: bool | None = None  # compare entropy bytes too; None: where the contract backend produces it
+    body: str = "batch_invariant"  # the model body of both sides: "batch_invariant" or "xla"
+    body_backend: str = "auto"  # the invariant body ops' backend (auto: the Hopper kernels where they serve)
+    compare_xla_body: bool = True  # with an invariant body: also row (c), the plain XLA body end to end
+    trainer_batch: int | None = None  # sequences per trainer forward call; None: batch // 2 + 1 (another size)
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -177,6 +190,12 @@ def resolve_config(config: ValidateConfig) -> ValidateConfig:
         cfg = dataclasses.replace(cfg, entropy=backend_produces_entropy(cfg.backend))
     if cfg.batch < 1 or cfg.steps < 1:
         raise ValueError("batch and steps must be >= 1")
+    if cfg.body not in BODIES:
+        raise ValueError(f"body must be one of {BODIES}, got {cfg.body!r}")
+    if cfg.trainer_batch is None:
+        cfg = dataclasses.replace(cfg, trainer_batch=cfg.batch // 2 + 1)
+    if cfg.trainer_batch < 1:
+        raise ValueError("trainer_batch must be >= 1")
     if cfg.name is None:
         cfg = dataclasses.replace(cfg, name=f"validate_{backends.platform_info()['platform']}_{preset}")
     return cfg
@@ -190,7 +209,15 @@ def _model_config(cfg: ValidateConfig) -> tuple[ToyLMConfig, int]:
     dtype = jnp.dtype(p.pop("dtype"))
     if "padded_vocab_size" not in cfg.model_overrides and "vocab_size" in cfg.model_overrides:
         p["padded_vocab_size"] = C.canonical_padded_vocab(p["vocab_size"])
-    return ToyLMConfig(max_len=prompt_len + cfg.steps, dtype=dtype, backend=cfg.backend, **p), prompt_len
+    model = ToyLMConfig(
+        max_len=prompt_len + cfg.steps,
+        dtype=dtype,
+        backend=cfg.backend,
+        body=cfg.body,
+        body_backend=cfg.body_backend,
+        **p,
+    )
+    return model, prompt_len
 
 
 def _make_mesh(tp: int):
@@ -365,7 +392,8 @@ def run_rollout(s: Setup) -> Rollout:
 
     @nnx.jit
     def decode(m, tok, pos, cache):
-        return m.decode(tok, pos, cache)
+        with backends.strict_mode(cfg.strict):  # the invariant body's ops: no fallback either
+            return m.decode(tok, pos, cache)
 
     @nnx.jit
     def serve(m, h, pos):
@@ -472,18 +500,17 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
             rec.mark("baseline_trainer")
         return out.logp
 
-    @nnx.jit
-    def full_hidden(m, tokens):
-        return m.hidden(tokens)
-
     def unpack(x):
         return np.asarray(x, np.float32)[inv].reshape(B, S)
 
     h_a = jnp.asarray(rollout.hidden.reshape(N, -1)[perm])
     s.prog.note(f"trainer: scoring {N} packed rows (operator)")
     logp_a = unpack(score(trainer, h_a, tgt))
-    s.prog.note(f"trainer: full-sequence forward [{B}, {P + S}] + scoring (end to end)")
-    H_tr = np.asarray(full_hidden(trainer, rollout.tokens_full))[:, P - 1 : P - 1 + S]  # [B, S, D]
+    s.prog.note(
+        f"trainer: full-sequence forward of {B} sequences ({s.mcfg.body} body, shuffled, "
+        f"{cfg.trainer_batch} per call) + scoring (end to end)"
+    )
+    H_tr = trainer_hidden(s, trainer, rollout.tokens_full)[:, P - 1 : P - 1 + S]  # [B, S, D]
     h_b = jnp.asarray(H_tr.reshape(N, -1)[perm])
     logp_b = unpack(score(trainer, h_b, tgt))
     hid_rows, hid_mad = row_mismatch(rollout.hidden.reshape(N, -1), H_tr.reshape(N, -1))
@@ -513,6 +540,80 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
         hid_mad,
         score,
         score_xla if cfg.baseline else None,
+    )
+
+
+def trainer_hidden(s: Setup, model: ToyLM, tokens_full, body: str | None = None) -> np.ndarray:
+    """The trainer's final hidden states [B, L, D] of its own full-sequence forward: the
+    sequences in a seeded shuffled order, `trainer_batch` of them per forward call (another
+    batch size and composition than the rollout's), the last call padded with copies of the
+    first sequence; unshuffled back to the rollout's order."""
+    cfg = s.cfg
+    B, tb = cfg.batch, cfg.trainer_batch
+    order = np.asarray(jax.random.permutation(jax.random.fold_in(s.k_perm, 1), B))
+    toks = np.asarray(tokens_full)[order]
+    n_calls = -(-B // tb)
+    toks = np.concatenate([toks, np.repeat(toks[:1], n_calls * tb - B, axis=0)])
+
+    @nnx.jit
+    def forward(m, t):
+        with backends.strict_mode(cfg.strict):
+            return m.hidden(t, body=body)
+
+    parts = [np.asarray(forward(model, jnp.asarray(toks[i * tb : (i + 1) * tb]))) for i in range(n_calls)]
+    out = np.empty((B,) + parts[0].shape[1:], parts[0].dtype)
+    out[order] = np.concatenate(parts)[:B]
+    return out
+
+
+@dataclasses.dataclass
+class BodyComparison:
+    """Row (c): the plain XLA body end to end on the rollout's tokens ([B, S] unless noted)."""
+
+    rollout_logp: np.ndarray  # the op's logp of each sampled token after a teacher-forced decode (XLA body)
+    trainer_logp: np.ndarray  # the op's logp after the trainer's full-sequence forward (XLA body), packed
+    hidden_rows_differ: int
+    hidden_max_abs_diff: float
+
+
+def compare_xla_body(s: Setup, rollout: Rollout, ts: TrainerScores) -> BodyComparison:
+    """Row (c): the same tokens through the plain XLA body on both sides (a teacher-forced
+    decode, B rows per step, scored per step by the contract op as the rollout scores; the
+    trainer's full-sequence forward, scored packed), so the body's own drift is measured
+    next to the invariant body's. The contract op and its strict mode are the main lane's."""
+    cfg, temperature = s.cfg, s.temperature
+    B, S, P = cfg.batch, cfg.steps, s.prompt_len
+
+    @nnx.jit
+    def decode(m, tok, pos, cache):
+        return m.decode(tok, pos, cache, body="xla")
+
+    @nnx.jit
+    def step_logp(m, h, tok):
+        with _lane_ctx(cfg.strict, True):
+            return m.head(h, tok, temperature=temperature).logp
+
+    s.prog.note(f"plain XLA body: teacher-forced decode of the {B} x {S} sampled tokens, and the trainer's forward")
+    tokens = np.asarray(rollout.tokens_full)
+    cache = s.model.init_cache(B)
+    hs, logps = [], []
+    for pos in range(P - 1 + S):
+        h, cache = decode(s.model, jnp.asarray(tokens[:, pos]), jnp.int32(pos), cache)
+        if pos >= P - 1:
+            hs.append(np.asarray(h))
+            logps.append(np.asarray(step_logp(s.model, h, jnp.asarray(tokens[:, pos + 1]))))
+    h_roll = np.stack(hs, axis=1)  # [B, S, D]
+    h_tr = trainer_hidden(s, ts.trainer, rollout.tokens_full, body="xla")[:, P - 1 : P - 1 + S]
+    N = B * S
+    inv = np.empty_like(ts.perm)
+    inv[ts.perm] = np.arange(N)
+    trainer_logp = np.asarray(ts.score(ts.trainer, jnp.asarray(h_tr.reshape(N, -1)[ts.perm]), ts.targets_packed))
+    rows, mad = row_mismatch(h_roll.reshape(N, -1), h_tr.reshape(N, -1))
+    return BodyComparison(
+        rollout_logp=np.stack(logps, axis=1).astype(np.float32),
+        trainer_logp=np.asarray(trainer_logp, np.float32)[inv].reshape(B, S),
+        hidden_rows_differ=rows,
+        hidden_max_abs_diff=mad,
     )
 
 
@@ -655,6 +756,11 @@ def run_validation(config: ValidateConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         replay_exact = replay_sampler(setup, rollout, scores)
         timings["replay_s"] = time.perf_counter() - t0
+        xla_body = None
+        if cfg.compare_xla_body and cfg.body != "xla":
+            t0 = time.perf_counter()
+            xla_body = compare_xla_body(setup, rollout, scores)
+            timings["xla_body_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         op_timing = time_scoring(setup, scores)
         timings["timing_s"] = time.perf_counter() - t0
@@ -667,6 +773,7 @@ def run_validation(config: ValidateConfig) -> dict[str, Any]:
         replay_exact,
         fallback_warnings,
         op_timing,
+        xla_body=xla_body,
         command=cfg.command or f"run_validation({_config_repr(cfg)})",
         git_rev=git_rev(),
     )

@@ -56,10 +56,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"platform {report['platform']['platform']} ({report['platform']['n_devices']} device(s)).",
         "",
         f"Model: random toy NNX decoder LM, D={m['d_model']}, vocab {m['vocab_size']} (padded {m['padded_vocab_size']}), "
-        f"{m['n_layers']} block(s), {m['dtype']}, prompt {m['prompt_len']} + {c['steps']} sampled tokens, TP={m['tp']}. "
+        f"{m['n_layers']} block(s), {m['dtype']}, prompt {m['prompt_len']} + {c['steps']} sampled tokens, TP={m['tp']}, "
+        f"body {m.get('body', 'xla')} (body ops' backend {m.get('body_backend', 'auto')}). "
         f"Sampling program: {report['sampling_program']}.",
-        f"Rollout: {report['shapes']['rollout_rows_per_step']} rows per decode step; trainer: "
-        f"{report['shapes']['trainer_rows']} rows in one packed, shuffled batch.",
+        f"Rollout: {report['shapes']['rollout_rows_per_step']} rows per decode step; trainer: its own forward of the "
+        f"sequences in a shuffled order, {report['shapes'].get('trainer_sequences_per_forward')} per call, then "
+        f"{report['shapes']['trainer_rows']} rows scored in one packed, shuffled batch.",
         "",
         "## Claims",
         "",
@@ -90,11 +92,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for r in report["entropy_rows"]:
             lines.append(f"| {r['check']} | {r['rows']} | {r['mismatch_count']} | {_fmt(r['max_abs_diff'])} |")
-    hd = report["hidden_state_drift"]
+    hd, xh = report["hidden_state_drift"], report.get("xla_body_hidden_drift")
     lines += [
         "",
         f"Hidden states (rollout decode vs trainer full-sequence forward): {hd['rows_differ']}/{hd['rows']} rows differ "
-        f"in bytes, max_abs_diff {_fmt(hd['max_abs_diff'])}.",
+        f"in bytes, max_abs_diff {_fmt(hd['max_abs_diff'])}"
+        + (
+            f"; with the plain XLA body on the same tokens {xh['rows_differ']}/{xh['rows']}, "
+            f"max_abs_diff {_fmt(xh['max_abs_diff'])}."
+            if xh
+            else "."
+        ),
         f"Replay of the sampler's processed logprob: {report['replay']['bit_exact']}/{report['replay']['rows']} bit-exact.",
         "",
         "K3 = rho - 1 - log(rho), rho = exp(logp_trainer - logp_rollout), in float64 from the float32 values.",
@@ -140,6 +148,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 _SERIES = (
     ("contract_a", "contract lane (a) operator", "C0", "-", "o"),
     ("contract_b", "contract lane (b) end to end", "C0", "--", "o"),
+    ("body_xla", "contract lane (c) end to end, plain XLA body", "C2", ":", "s"),
     ("xla_a", "XLA lane (a) operator", "C3", "-", "x"),
     ("xla_b", "XLA lane (b) end to end", "C3", "--", "x"),
 )
@@ -171,8 +180,8 @@ def write_png(report: dict[str, Any], path: str) -> tuple[str | None, str]:
             color=color,
             linestyle=style,
             marker=marker,
-            markersize=6 if marker == "o" else 5,
-            markerfacecolor="none" if marker == "o" else color,
+            markersize=6 if marker in "os" else 5,
+            markerfacecolor="none" if marker in "os" else color,
             label=label,
         )
         ax_m.plot(x, steps[key]["mismatch"], **kw)
@@ -182,7 +191,7 @@ def write_png(report: dict[str, Any], path: str) -> tuple[str | None, str]:
     ax_m.set_ylim(-0.05 * B, 1.05 * B)
     ax_k.set_yscale("symlog", linthresh=1e-15)
     ax_k.set(title="max |K3| per step", xlabel="decode step", ylabel="max |K3| (symlog)")
-    fig.legend(*ax_m.get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=8)
+    fig.legend(*ax_m.get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8)
     if timing:
         ax_t = fig.add_subplot(1, n_panels, 3)
         names, vals = ["op (" + str(report["rows"][0]["backend"]) + ")"], [timing["op_ms"]]
@@ -195,7 +204,7 @@ def write_png(report: dict[str, Any], path: str) -> tuple[str | None, str]:
         ax_t.set(title=f"time per call, {timing['rows_per_call']} rows (median of {timing['reps']})", ylabel="ms")
     fig.suptitle(
         f"RL parity: {report['config']['preset']} on {report['platform']['device_kind']}, "
-        f"{B} x {report['config']['steps']}",
+        f"{B} x {report['config']['steps']}, body {report['config'].get('body', 'xla')}",
         fontsize=10,
     )
     fig.savefig(path, dpi=110)

@@ -9,10 +9,18 @@ Two ways to get final hidden states:
 * `decode(token, pos, cache)`: the rollout's one-token step against a KV cache
   ([B] -> [B, D]); `init_cache(batch)` makes the cache.
 
-Both compute the same function; their bytes need not match (different
-reduction shapes in attention), which is exactly what the parity validation
-(`detlogp_jax.apps.parity`) attributes to the body. An application above the op
-core, for tests and the validator only; not a real model.
+Both compute the same function. With the plain body (`body="xla"`: Flax's
+layers, XLA's GEMMs and an einsum softmax) their bytes need not match (other GEMM
+and attention shapes), which is exactly what the parity validation
+(`detlogp_jax.apps.parity`) attributes to the body. With `body="batch_invariant"`
+every projection is `detlogp_jax.body.matmul`, attention is
+`detlogp_jax.body.attention` over the cache, the norms are `body.rms_norm` and
+the rest is element-wise, so a decode step and the full-sequence forward give
+the same hidden-state bytes at any batch size. The body is chosen per call (the
+parameters are the same); `body_backend` picks the invariant ops' backend
+("auto": the Hopper kernels where they serve, else the reference). An
+application above the op core, for tests and the validator only; not a real
+model.
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from detlogp_jax import body as body_ops
 from detlogp_jax import contract as C
 from detlogp_jax.flax import LogpHead, masked_mean_nll
 
-__all__ = ["ToyLMConfig", "ToyLM"]
+__all__ = ["BODIES", "ToyLMConfig", "ToyLM"]
+
+BODIES = ("xla", "batch_invariant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +54,8 @@ class ToyLMConfig:
     tie_embeddings: bool = False
     head_bias: bool = False
     backend: str = "auto"
+    body: str = "xla"  # the default body of a call: "xla" or "batch_invariant" (module docstring)
+    body_backend: str = "auto"  # the invariant body ops' backend
 
     @property
     def head_dim(self) -> int:
@@ -62,6 +75,33 @@ def _attend(q, k, v, mask, dtype):
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(dtype), v, preferred_element_type=jnp.float32).astype(dtype)
 
 
+class _Ops:
+    """The body's layers for one call: Flax / XLA ("xla") or the invariant ops."""
+
+    def __init__(self, body: str, backend: str):
+        if body not in BODIES:
+            raise ValueError(f"body must be one of {BODIES}, got {body!r}")
+        self.invariant = body == "batch_invariant"
+        self.backend = backend
+
+    def dense(self, layer: nnx.Linear, x):
+        if not self.invariant:
+            return layer(x)
+        return body_ops.matmul(x, layer.kernel[...], w_layout="kn", backend=self.backend)
+
+    def norm(self, layer: nnx.RMSNorm, x):
+        if not self.invariant:
+            return layer(x)
+        return body_ops.rms_norm(x, layer.scale[...], layer.epsilon)
+
+    def attend(self, q, k, v, q_positions, dtype):
+        """Causal attention of q [B, T, H, Dh] at q_positions [B, T] over k, v [B, S, H, Dh]."""
+        if self.invariant:
+            return body_ops.attention(q, k, v, q_positions=q_positions, backend=self.backend)
+        mask = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]
+        return _attend(q, k, v, mask, dtype)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ToyLMConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -79,30 +119,28 @@ class Block(nnx.Module):
     def _heads(self, x):
         return x.reshape(x.shape[:-1] + (self.cfg.n_heads, self.cfg.head_dim))
 
-    def _mlp(self, x):
-        h = self.ln2(x)
-        return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+    def _qkv(self, ops: _Ops, x):
+        h = ops.norm(self.ln1, x)
+        return (self._heads(ops.dense(layer, h)) for layer in (self.q, self.k, self.v))
 
-    def __call__(self, x):
+    def _out_and_mlp(self, ops: _Ops, x, a):
+        x = x + ops.dense(self.o, a.reshape(x.shape))
+        h = ops.norm(self.ln2, x)
+        return x + ops.dense(self.down, jax.nn.silu(ops.dense(self.gate, h)) * ops.dense(self.up, h))
+
+    def __call__(self, x, ops: _Ops):
         """Full-sequence causal forward: x [B, L, D]."""
-        h = self.ln1(x)
-        q, k, v = self._heads(self.q(h)), self._heads(self.k(h)), self._heads(self.v(h))
-        L = x.shape[1]
-        mask = jnp.tril(jnp.ones((L, L), bool))[None]
-        a = _attend(q, k, v, mask, x.dtype)
-        x = x + self.o(a.reshape(x.shape))
-        return self._mlp(x)
+        q, k, v = self._qkv(ops, x)
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+        return self._out_and_mlp(ops, x, ops.attend(q, k, v, pos, x.dtype))
 
-    def decode(self, x, pos, k_cache, v_cache):
+    def decode(self, x, pos, k_cache, v_cache, ops: _Ops):
         """One step: x [B, 1, D] at position `pos`; caches [B, max_len, H, Dh]."""
-        h = self.ln1(x)
-        q, k, v = self._heads(self.q(h)), self._heads(self.k(h)), self._heads(self.v(h))
+        q, k, v = self._qkv(ops, x)
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), pos, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), pos, axis=1)
-        mask = (jnp.arange(k_cache.shape[1]) <= pos)[None, None, :]
-        a = _attend(q, k_cache, v_cache, mask, x.dtype)
-        x = x + self.o(a.reshape(x.shape))
-        return self._mlp(x), k_cache, v_cache
+        q_pos = jnp.full(x.shape[:2], pos, jnp.int32)
+        return self._out_and_mlp(ops, x, ops.attend(q, k_cache, v_cache, q_pos, x.dtype)), k_cache, v_cache
 
 
 class ToyLM(nnx.Module):
@@ -125,14 +163,19 @@ class ToyLM(nnx.Module):
         else:
             self.head = LogpHead(cfg.d_model, cfg.vocab_size, **kw)
 
+    def _ops(self, body: str | None) -> _Ops:
+        return _Ops(self.cfg.body if body is None else body, self.cfg.body_backend)
+
     # -- trainer: full sequence ------------------------------------------------------
-    def hidden(self, tokens):
-        """Final (normed) hidden states [B, L, D] of a causal full-sequence forward."""
+    def hidden(self, tokens, *, body: str | None = None):
+        """Final (normed) hidden states [B, L, D] of a causal full-sequence forward
+        (body: "xla" or "batch_invariant"; default: the config's)."""
+        ops = self._ops(body)
         L = tokens.shape[1]
         x = self.embed(tokens) + self.pos(jnp.arange(L))[None]
         for blk in self.blocks:
-            x = blk(x)
-        return self.norm(x)
+            x = blk(x, ops)
+        return ops.norm(self.norm, x)
 
     def __call__(self, tokens, targets, *, temperature=1.0, return_logits=False, backend=None):
         """LogpOutput of targets [B, L] given tokens [B, L] (teacher forced)."""
@@ -151,15 +194,16 @@ class ToyLM(nnx.Module):
         shape = (cfg.n_layers, batch, cfg.max_len, cfg.n_heads, cfg.head_dim)
         return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
-    def decode(self, token, pos, cache):
+    def decode(self, token, pos, cache, *, body: str | None = None):
         """token [B] int at position `pos` (scalar) -> (hidden [B, D], cache)."""
+        ops = self._ops(body)
         x = self.embed(token[:, None]) + self.pos(jnp.reshape(pos, (1,)))[None]
         ks, vs = [], []
         for i, blk in enumerate(self.blocks):
-            x, k, v = blk.decode(x, pos, cache["k"][i], cache["v"][i])
+            x, k, v = blk.decode(x, pos, cache["k"][i], cache["v"][i], ops)
             ks.append(k)
             vs.append(v)
-        return self.norm(x)[:, 0], {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+        return ops.norm(self.norm, x)[:, 0], {"k": jnp.stack(ks), "v": jnp.stack(vs)}
 
 
 def shifted_targets(tokens, prompt_len: int = 0):

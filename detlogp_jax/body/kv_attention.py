@@ -46,7 +46,6 @@ from detlogp_jax.body import backends as body_backends
 
 __all__ = [
     "DTYPES",
-    "HEAD_DIMS",
     "KV_BLOCK",
     "attention",
     "reference_attention",
@@ -58,7 +57,6 @@ __all__ = [
 F32 = jnp.float32
 KV_BLOCK = 64  # keys per block, tied to absolute positions (the contract's block; docs/BODY.md)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-HEAD_DIMS = (32, 64, 128, 256)  # head sizes every backend takes (the Hopper kernel: 64, 128)
 
 
 def _validate(q, k, v, q_positions, kv_start, scale, out_dtype):
@@ -79,8 +77,6 @@ def _validate(q, k, v, q_positions, kv_start, scale, out_dtype):
     hkv = k.shape[2]
     if hkv < 1 or hq % hkv:
         raise ValueError(f"the query heads ({hq}) must be a multiple of the KV heads ({hkv}) (GQA)")
-    if dh not in HEAD_DIMS:
-        raise ValueError(f"head dim {dh} unsupported; supported: {HEAD_DIMS}")
     qp = jnp.asarray(q_positions)
     if not jnp.issubdtype(qp.dtype, jnp.integer) or qp.shape != (b, t):
         raise ValueError(f"q_positions must be an integer [B={b}, T={t}] array, got {qp.dtype} {qp.shape}")
@@ -105,8 +101,9 @@ def attention(q, k, v, *, q_positions, kv_start=None, scale=None, out_dtype=None
     position 0 (left padding); scale: the logit scale (default Dh ** -0.5); out_dtype: bfloat16
     or float32 (default q.dtype). backend: "auto" (the Hopper kernel where it serves, else the
     reference), "reference", "pallas_sm90", or "xla" (plain einsum + softmax, not invariant;
-    refused in strict mode). Returns [B, T, Hq, Dh]. Unsupported dtypes, head dims or shapes
-    raise TypeError / ValueError naming the supported set."""
+    refused in strict mode). Returns [B, T, Hq, Dh]. Unsupported dtypes or shapes raise
+    TypeError / ValueError naming the supported set; a backend that cannot take the head size
+    (the Hopper kernel's set: `pallas_kernels.body`) refuses with its reason."""
     q, k, v, qp, ks, scale, out_dtype = _validate(q, k, v, q_positions, kv_start, scale, out_dtype)
     if q.shape[1] == 0 or q.shape[0] == 0:
         return jnp.zeros(q.shape, out_dtype)
