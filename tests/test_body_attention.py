@@ -147,3 +147,20 @@ def test_strict_mode_refuses_the_xla_lane():
             A.attention(q, k, v, q_positions=np.zeros((1, 8), int), backend="xla")
         out = A.attention(q, k, v, q_positions=np.zeros((1, 8), int))  # auto: the reference on a CPU
     assert out.shape == S
+
+
+def test_auto_takes_the_reference_where_the_gpu_backend_lacks_the_op(monkeypatch, recwarn):
+    """On a machine whose Hopper backend has no attention, "auto" prefers the reference for
+    attention (not a fallback: no warning, and strict mode serves it)."""
+    from detlogp_jax.body import backends as body_backends
+
+    fake = body_backends.BodyBackend(
+        name="pallas_sm90", invariant=True, available=lambda: True, matmul=lambda *a, **k: 0
+    )
+    real_get = body_backends.get
+    monkeypatch.setattr(body_backends, "get", lambda name: fake if name == "pallas_sm90" else real_get(name))
+    assert body_backends.preferred("attention") == "reference" and body_backends.preferred("matmul") == "pallas_sm90"
+    q, k, v = (jnp.ones(s, jnp.float32) for s in (S, KV, KV))
+    with backends.strict_mode():
+        out = A.attention(q, k, v, q_positions=np.zeros((1, 8), int))
+    assert out.shape == S and not [w for w in recwarn if "falls back" in str(w.message)]

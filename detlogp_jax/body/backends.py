@@ -9,8 +9,9 @@ baseline lane.
 Resolution follows the operator's rules (`detlogp_jax.backends.resolve`), with the same
 strict mode (`detlogp_jax.strict_mode()` / DETLOGP_STRICT):
 
-* "auto": "pallas_sm90" where it is available here, else "reference"; if the chosen backend
-  cannot serve these operands, auto falls back to "reference" with a warning.
+* "auto": per op, "pallas_sm90" where it is available here and has the op, else "reference";
+  if the chosen backend cannot serve these operands, auto falls back to "reference" with a
+  warning.
 * an explicit name that cannot serve (unavailable here, no such op, operands refused)
   raises `BackendUnavailableError`; it never falls back.
 * strict mode refuses a non-invariant backend ("xla") and any fallback (`StrictModeError`),
@@ -116,10 +117,12 @@ def get(name: str) -> BodyBackend:
     return _LOADED[name]
 
 
-def preferred() -> str:
-    """What "auto" asks for first: "pallas_sm90" where it is available here, else "reference"."""
+def preferred(op: str) -> str:
+    """What "auto" asks for first for `op`: "pallas_sm90" where it is available here and has
+    the op, else "reference"."""
     try:
-        if get("pallas_sm90").available():
+        gpu = get("pallas_sm90")
+        if gpu.available() and getattr(gpu, op) is not None:
             return "pallas_sm90"
     except Exception:  # a broken plugin is simply not preferred
         pass
@@ -135,7 +138,7 @@ def resolve(op: str, requested: str, *operands) -> BodyBackend:
     if not isinstance(requested, str):
         raise TypeError(f"backend must be a body backend name or 'auto', got {requested!r}")
     strict = core.is_strict()
-    target = preferred() if requested == "auto" else requested
+    target = preferred(op) if requested == "auto" else requested
     backend = get(target)
     if strict and not backend.invariant:
         raise StrictModeError(
