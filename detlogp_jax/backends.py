@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.metadata
 import os
 import warnings
 from typing import Any, Callable
@@ -29,6 +27,7 @@ import jax
 
 from detlogp_jax import contract as C
 from detlogp_jax.layout import DV, VD, WeightLayout, as_layout
+from detlogp_jax.registry import PluginRegistry
 
 
 class StrictModeError(RuntimeError):
@@ -166,26 +165,24 @@ def _layouts(layouts) -> frozenset:
     return frozenset(as_layout(x) for x in layouts)
 
 
-_REGISTRY: dict[str, Callable[[], Backend]] = {}
-_LOADED: dict[str, Backend] = {}
+def _unavailable(name: str, spec: str, err: str) -> Backend:
+    return Backend(
+        name=name,
+        contract_bearing=True,
+        available=lambda: False,
+        supports=lambda h, w: (False, err),
+        description=f"unavailable ({err})",
+        unavailable_reason=lambda: f"its plugin {spec} does not import: {err}",
+    )
 
 
-def register(name: str, loader: Callable[[], Backend]) -> None:
-    """Registers a backend lazily (its module is imported on first use)."""
-    _REGISTRY[name] = loader
-    _LOADED.pop(name, None)
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> Backend:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)} or 'auto'")
-    if name not in _LOADED:
-        _LOADED[name] = _REGISTRY[name]()
-    return _LOADED[name]
+# Plugins of this repository, for a checkout that is not installed (an installed
+# distribution declares the same specs as entry points).
+BUILTIN_PLUGINS: dict[str, str] = {"pallas_sm90": "pallas_kernels.backend:backend_entry"}
+ENTRY_POINT_GROUP = "detlogp_jax.backends"
+_PLUGINS = PluginRegistry("backend", Backend, ENTRY_POINT_GROUP, BUILTIN_PLUGINS, _unavailable)
+_REGISTRY, _LOADED = _PLUGINS.loaders, _PLUGINS.loaded  # name -> loader, name -> loaded entry
+register, names, get, plugin_specs = _PLUGINS.register, _PLUGINS.names, _PLUGINS.get, _PLUGINS.plugin_specs
 
 
 def available() -> tuple[str, ...]:
@@ -334,50 +331,9 @@ def _xla() -> Backend:
     )
 
 
-# Plugins of this repository, for a checkout that is not installed (an installed
-# distribution declares the same specs as entry points).
-BUILTIN_PLUGINS: dict[str, str] = {"pallas_sm90": "pallas_kernels.backend:backend_entry"}
-ENTRY_POINT_GROUP = "detlogp_jax.backends"
-
-
-def plugin_specs() -> dict[str, str]:
-    """name -> "module:attribute" of every backend plugin known here."""
-    specs = dict(BUILTIN_PLUGINS)
-    try:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            specs[ep.name] = ep.value
-    except Exception:  # pragma: no cover - broken metadata: keep the built-in specs
-        pass
-    return specs
-
-
-def _plugin_loader(name: str, spec: str) -> Callable[[], Backend]:
-    def load() -> Backend:
-        module, _, attr = spec.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module), attr)
-            backend = entry() if callable(entry) else entry
-        except Exception as e:  # not importable here: register as unavailable
-            err = f"{type(e).__name__}: {e}"
-            return Backend(
-                name=name,
-                contract_bearing=True,
-                available=lambda: False,
-                supports=lambda h, w: (False, err),
-                description=f"unavailable ({err})",
-                unavailable_reason=lambda: f"its plugin {spec} does not import: {err}",
-            )
-        if not isinstance(backend, Backend) or backend.name != name:
-            raise TypeError(f"backend plugin {spec} must return a Backend named {name!r}, got {backend!r}")
-        return backend
-
-    return load
-
-
 register("reference", _reference)
 register("xla", _xla)
-for _name, _spec in plugin_specs().items():
-    register(_name, _plugin_loader(_name, _spec))
+_PLUGINS.register_plugins()
 
 
 def platform_info() -> dict[str, Any]:

@@ -40,6 +40,7 @@ from typing import Callable
 
 from detlogp_jax import backends as core
 from detlogp_jax.backends import BackendUnavailableError, StrictModeError
+from detlogp_jax.registry import PluginRegistry
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -93,28 +94,22 @@ class BodyBackend:
         return (True, "") if supports is None else supports(*operands)
 
 
-_REGISTRY: dict[str, Callable[[], BodyBackend]] = {}
-_LOADED: dict[str, BodyBackend] = {}
+def _unavailable(name: str, spec: str, err: str) -> BodyBackend:
+    return BodyBackend(
+        name=name,
+        invariant=True,
+        available=lambda: False,
+        unavailable_reason=lambda: f"its plugin {spec} does not import: {err}",
+        description=f"unavailable ({err})",
+    )
 
 
-def register(name: str, loader: Callable[[], BodyBackend]) -> None:
-    """Registers a body backend lazily (`loader` runs on first use)."""
-    _REGISTRY[name] = loader
-    _LOADED.pop(name, None)
-
-
-def names() -> tuple[str, ...]:
-    """The registered body backends' names."""
-    return tuple(_REGISTRY)
-
-
-def get(name: str) -> BodyBackend:
-    """The body backend registered as `name` (ValueError naming the registered ones otherwise)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown body backend {name!r}; registered: {sorted(_REGISTRY)} or 'auto'")
-    if name not in _LOADED:
-        _LOADED[name] = _REGISTRY[name]()
-    return _LOADED[name]
+# Plugins of this repository, for a checkout that is not installed (an installed
+# distribution declares the same specs as entry points of ENTRY_POINT_GROUP).
+BUILTIN_PLUGINS: dict[str, str] = {"pallas_sm90": "pallas_kernels.body:body_entry"}
+ENTRY_POINT_GROUP = "detlogp_jax.body_backends"
+_PLUGINS = PluginRegistry("body backend", BodyBackend, ENTRY_POINT_GROUP, BUILTIN_PLUGINS, _unavailable)
+register, names, get, plugin_specs = _PLUGINS.register, _PLUGINS.names, _PLUGINS.get, _PLUGINS.plugin_specs
 
 
 def preferred(op: str) -> str:
@@ -210,46 +205,6 @@ def _xla() -> BodyBackend:
     )
 
 
-# Plugins of this repository, for a checkout that is not installed (an installed
-# distribution declares the same specs as entry points of ENTRY_POINT_GROUP).
-BUILTIN_PLUGINS: dict[str, str] = {"pallas_sm90": "pallas_kernels.body:body_entry"}
-ENTRY_POINT_GROUP = "detlogp_jax.body_backends"
-
-
-def plugin_specs() -> dict[str, str]:
-    """name -> "module:attribute" of every body backend plugin known here."""
-    specs = dict(BUILTIN_PLUGINS)
-    try:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            specs[ep.name] = ep.value
-    except Exception:  # pragma: no cover - broken metadata: keep the built-in specs
-        pass
-    return specs
-
-
-def _plugin_loader(name: str, spec: str) -> Callable[[], BodyBackend]:
-    def load() -> BodyBackend:
-        module, _, attr = spec.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module), attr)
-            backend = entry() if callable(entry) else entry
-        except Exception as e:  # not importable here: registered as unavailable
-            err = f"{type(e).__name__}: {e}"
-            return BodyBackend(
-                name=name,
-                invariant=True,
-                available=lambda: False,
-                unavailable_reason=lambda: f"its plugin {spec} does not import: {err}",
-                description=f"unavailable ({err})",
-            )
-        if not isinstance(backend, BodyBackend) or backend.name != name:
-            raise TypeError(f"body backend plugin {spec} must return a BodyBackend named {name!r}, got {backend!r}")
-        return backend
-
-    return load
-
-
 register("reference", _reference)
 register("xla", _xla)
-for _name, _spec in plugin_specs().items():
-    register(_name, _plugin_loader(_name, _spec))
+_PLUGINS.register_plugins()
