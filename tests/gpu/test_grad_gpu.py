@@ -18,6 +18,7 @@ import pytest
 
 import detlogp_jax as dl
 from detlogp_jax import backends, grad, inputs
+from detlogp_jax.layout import VD
 from tests.helpers import assert_bitwise_equal, f64_loss_grads, grad_case, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -50,10 +51,10 @@ def test_pallas_gradients_match_float64(n, d, v_pad, vocab):
     hb, wb, b, t, temp, g_lp, g_lse = _case(n, d, v_pad, vocab, seed=n)
     if v_pad == 19008:
         walk = backends.get("pallas_sm90").dz.in_place
-        assert grad._in_place_ok(backends.get("pallas_sm90").dz, hb, wb, grad.IN_PLACE_CHUNK, "vd")
+        assert grad._in_place_ok(backends.get("pallas_sm90").dz, hb, wb, grad.IN_PLACE_CHUNK, VD)
         assert not walk.dw_cols_supported(v_pad % grad.IN_PLACE_CHUNK)
     if v_pad == 16064:
-        assert grad._in_place_chunk(backends.get("pallas_sm90").dz, hb, wb, "vd") == 15872
+        assert grad._in_place_chunk(backends.get("pallas_sm90").dz, hb, wb, VD) == 15872
 
     def loss(h, w, b):
         out = dl.linear_logp(
