@@ -95,3 +95,30 @@ def test_rope_as_xla_builds_it(dtype):
         assert row_mismatches(one[0], full[bb, tt : tt + 1])[0] == 0, (bb, tt)
     swapped = np.asarray(rope(x[::-1], pos[::-1]), np.float32)[::-1]
     assert row_mismatches(swapped.reshape(b * t, -1), full.reshape(b * t, -1))[0] == 0
+
+
+def test_body_ops_are_differentiable_with_plain_backwards():
+    """jax.grad through the invariant ops (their backward is XLA's plain formulation): matmul in
+    both layouts, attention, rms_norm, against the XLA lane's / flax's gradients."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 6, 64)), jnp.float32)
+    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(64), jnp.float32)
+    wk, wn = jnp.asarray(rng.standard_normal((64, 96)) * 0.1), jnp.asarray(rng.standard_normal((96, 64)) * 0.1)
+
+    def loss(x, scale, wk, wn, backend):
+        h = body.rms_norm(x, scale) if backend == "reference" else nnx_rms(x, scale)
+        a = body.matmul(h, wk, backend=backend)[..., :64]
+        q = a.reshape(2, 6, 2, 32)
+        o = body.attention(
+            q, q[:, :, :1], q[:, :, 1:], q_positions=np.broadcast_to(np.arange(6), (2, 6)), backend=backend
+        )
+        return jnp.sum(jnp.tanh(body.matmul(o.reshape(2, 6, 64), wn, w_layout="nk", backend=backend)))
+
+    def nnx_rms(x, scale):
+        return (x * (jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale)).astype(x.dtype)
+
+    got = jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, wk, wn, "reference")
+    want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, wk, wn, "xla")
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)

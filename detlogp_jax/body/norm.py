@@ -11,6 +11,8 @@ FMAs) and the order is fixed by D alone, so a row's bytes never depend on the ot
 or on the row's position, on any backend (XLA builds only element-wise ops from it). The
 structure of `flax.nnx.RMSNorm` (statistics in f32, the scale folded into the rsqrt factor);
 its bytes are not flax's (flax's mean of squares is XLA's reduction, whose order XLA picks).
+Differentiable: the backward is the plain formulation's (not batch invariant; a trainer needs
+the forward's bytes only).
 """
 
 from __future__ import annotations
@@ -47,6 +49,31 @@ def _rms_norm(x, scale, *, eps: float, out_dtype):
     return ops.mul(xf, factor).astype(out_dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm_vjp(x, scale, eps, out_dtype):
+    """`_rms_norm` with the plain formulation's backward (autodiff of jnp ops in f32; the
+    pinned ops' bit casts have no derivative): correct, not batch invariant."""
+    return _rms_norm(x, scale, eps=eps, out_dtype=out_dtype)
+
+
+def _plain(x, scale, eps, out_dtype):
+    xf = x.astype(F32)
+    inv = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (inv * scale.astype(F32))).astype(out_dtype)
+
+
+def _rms_norm_fwd(x, scale, eps, out_dtype):
+    return _rms_norm_vjp(x, scale, eps, out_dtype), (x, scale)
+
+
+def _rms_norm_bwd(eps, out_dtype, res, g):
+    _, vjp = jax.vjp(lambda x, s: _plain(x, s, eps, out_dtype), *res)
+    return vjp(g)
+
+
+_rms_norm_vjp.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
 def rms_norm(x, scale, eps: float = 1e-6, *, out_dtype=None) -> jax.Array:
     """RMSNorm over the last axis of x [..., D] with scale [D] (module docstring); bfloat16 or
     float32 x, output in `out_dtype` (default x.dtype). Bad shapes / dtypes raise."""
@@ -58,4 +85,4 @@ def rms_norm(x, scale, eps: float = 1e-6, *, out_dtype=None) -> jax.Array:
         raise ValueError(f"scale must be [D] for x [..., D], got x {x.shape}, scale {scale.shape}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
-    return _rms_norm(x, scale, eps=float(eps), out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype))
+    return _rms_norm_vjp(x, scale, float(eps), jnp.dtype(x.dtype if out_dtype is None else out_dtype))
