@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu -
 STAGES=",${VALIDATE_STAGES:-pytest,ladder,golden},"
 if [[ $STAGES == *,pytest,* ]]; then
   # shellcheck disable=SC2086  # VALIDATE_PYTEST is a list of test files
-  stage pytest_gpu ${PYTEST_LIMIT_S:-240} python3 -m pytest -q -x -rw ${VALIDATE_PYTEST:-tests/gpu/test_grad_gpu.py tests/gpu/test_pallas_gpu.py} ${VALIDATE_K:+-k "$VALIDATE_K"}
+  stage pytest_gpu ${PYTEST_LIMIT_S:-240} python3 -m pytest -q -rw -p no:cacheprovider ${VALIDATE_PYTEST:-tests/gpu/test_grad_gpu.py tests/gpu/test_pallas_gpu.py} ${VALIDATE_K:+-k "$VALIDATE_K"}
 fi
 if [[ $STAGES == *,ladder,* ]]; then
   stage ladder 285 env LADDER_BUDGET_S=265 LADDER_STAGE_TIMEOUT_S=180 LADDER_DUMP=0 LADDER_STAGES=ACB python3 tests/gpu/run_ladder.py
