@@ -1,14 +1,41 @@
 #!/usr/bin/env bash
-# The test command: sets up the platform's interpreter and runs the whole suite (pyproject's
-# testpaths = tests), or the paths given. GPU tests skip without a Hopper GPU; extra pytest args
-# pass through (`bash scripts/test.sh tests/test_setup.py -q` runs that file only).
-# The whole suite (no arguments) also runs the Tunix integration's tests in their own venv
-# (scripts/test_tunix.sh: requirements/cpu.lock + requirements/tunix.lock); TUNIX_TEST_SKIP=1 skips them.
-# Platform setup (DETLOGP_PLATFORM, DETLOGP_SETUP=plan, ...): see scripts/_env.sh.
-DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider"; [ $# -eq 0 ] || DETLOGP_WHAT+="$(printf ' %q' "$@")"
-[ $# -gt 0 ] || [ "${TUNIX_TEST_SKIP:-0}" = 1 ] || DETLOGP_WHAT+=" && bash scripts/test_tunix.sh"
+# The test command: sets up the platform's interpreter, then runs a tier of the suite
+# (pyproject's testpaths = tests; GPU tests skip without a Hopper GPU):
+#
+#   bash scripts/test.sh              the fast tier: every test not marked `slow`, then the Tunix
+#                                     integration's fast tests in their own venv; <= 10 minutes
+#                                     on a 2-core CPU machine (it prints its time)
+#   bash scripts/test.sh --slow       the slow tier alone (sweeps, large interpret-mode kernels,
+#                                     multi-process runs); CI runs it after the fast tier
+#   bash scripts/test.sh --full       both tiers (today's whole coverage)
+#   bash scripts/test.sh PATH... [pytest args]   those tests, every tier
+#
+# TUNIX_TEST_SKIP=1 leaves the Tunix tests out (scripts/test_tunix.sh: requirements/cpu.lock +
+# requirements/tunix.lock). Platform setup (DETLOGP_PLATFORM, DETLOGP_SETUP=plan, ...): see
+# scripts/_env.sh. Tiers: docs/TESTING.md.
+TIER=paths
+case "${1:-}" in
+  --full | --slow) TIER="${1#--}"; shift ;;
+  "") TIER=fast ;;
+esac
+case "$TIER" in
+  fast) MARK="not slow" ;;
+  slow) MARK="slow" ;;
+  *) MARK="" ;;
+esac
+DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider${MARK:+ -m '$MARK'}"
+[ "$TIER" = paths ] && DETLOGP_WHAT+="$(printf ' %q' "$@")"
+[ "$TIER" = paths ] || [ "${TUNIX_TEST_SKIP:-0}" = 1 ] || DETLOGP_WHAT+=" && bash scripts/test_tunix.sh${MARK:+ -m '$MARK'}"
+T0=$(date +%s)
 source "$(dirname "$0")/_env.sh"
-if [ $# -gt 0 ] || [ "${TUNIX_TEST_SKIP:-0}" = 1 ]; then
+if [ "$TIER" = paths ]; then
   exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
 fi
-"$PYTHON" -m pytest -q -p no:cacheprovider && exec bash "$(dirname "$0")/test_tunix.sh"
+status=0
+ok() { "$@" || { local rc=$?; [ "$rc" = 5 ] || return "$rc"; }; }  # pytest's 5: no test of this tier here
+ok "$PYTHON" -m pytest -q -p no:cacheprovider ${MARK:+-m "$MARK"} || status=$?
+if [ "$status" = 0 ] && [ "${TUNIX_TEST_SKIP:-0}" != 1 ]; then
+  ok bash "$(dirname "$0")/test_tunix.sh" ${MARK:+-m "$MARK"} || status=$?
+fi
+echo "[test] $TIER tier: exit $status in $(($(date +%s) - T0)) s (setup included)$([ "$TIER" = fast ] && echo '; budget 600 s on a 2-core CPU machine')"
+exit "$status"

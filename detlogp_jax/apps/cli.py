@@ -4,6 +4,8 @@
         [--preset tiny|small|qwen3_8b] [--batch N] [--steps N] [--[no]strict]
         [--temperature 1.0 --top_k 0 --top_p 1.0 --min_p 0.0] [--seed 0] [--tp 1]
         [--out_dir DIR] [--name NAME] [--[no]baseline] [--time_reps 3] [--[no]png] [--[no]entropy]
+        [--body batch_invariant|xla] [--body_backend auto|reference|pallas_sm90]
+        [--[no]compare_xla_body] [--trainer_batch N]
 
 Defaults: on a Hopper GPU `pallas_sm90`, `qwen3_8b`, 64 x 128, strict; elsewhere
 `reference`, `small`, 16 x 32, strict. The report (.md, .json, .png) goes to a
@@ -65,6 +67,21 @@ def define_flags():
     flags.DEFINE_bool(
         "entropy", None, "Also compare the entropy bytes (default: where the contract backend produces the entropy)."
     )
+    flags.DEFINE_enum(
+        "body",
+        "batch_invariant",
+        ["batch_invariant", "xla"],
+        "The model body of both sides: detlogp_jax.body's invariant ops, or Flax's layers as XLA builds them.",
+    )
+    flags.DEFINE_enum(
+        "body_backend", "auto", ["auto", "reference", "pallas_sm90"], "Backend of the invariant body's ops."
+    )
+    flags.DEFINE_bool(
+        "compare_xla_body", True, "With the invariant body: also row (c), the plain XLA body on the same tokens."
+    )
+    flags.DEFINE_integer(
+        "trainer_batch", None, "Sequences per trainer forward call (default batch // 2 + 1: another batch size)."
+    )
     return F
 
 
@@ -86,6 +103,10 @@ _FLAG_NAMES = (
     "time_reps",
     "png",
     "entropy",
+    "body",
+    "body_backend",
+    "compare_xla_body",
+    "trainer_batch",
 )
 
 
@@ -109,6 +130,10 @@ def _config_from_flags(F) -> parity.ValidateConfig:
         time_reps=F.time_reps,
         png=F.png,
         entropy=F.entropy,
+        body=F.body,
+        body_backend=F.body_backend,
+        compare_xla_body=F.compare_xla_body,
+        trainer_batch=F.trainer_batch,
         command=command,
     )
 
@@ -129,7 +154,8 @@ def main(argv) -> int:
         raise SystemExit(f"unexpected arguments: {argv[1:]}")
     cfg = parity.resolve_config(_config_from_flags(flags.FLAGS))
     print(
-        f"[validate] backend={cfg.backend} preset={cfg.preset} batch={cfg.batch} steps={cfg.steps} strict={cfg.strict}",
+        f"[validate] backend={cfg.backend} preset={cfg.preset} batch={cfg.batch} steps={cfg.steps} strict={cfg.strict} "
+        f"body={cfg.body} (ops: {cfg.body_backend}) trainer_batch={cfg.trainer_batch}",
         flush=True,
     )
     _print_paths("to be written", report_paths(cfg.out_dir, cfg.name))
