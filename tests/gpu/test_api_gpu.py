@@ -5,7 +5,10 @@
   zero-masked copy), dW's and db's padding rows are +0.0, every other byte equals the call with
   clean padding (the Qwen3-8B head's 128 padding rows, both layouts).
 * jax.grad under `jax.set_mesh` of a mesh with Explicit axes and plain replicated inputs,
-  jitted and not, both residual modes: the no-mesh gradient's bytes.
+  jitted and not, both residual modes: the no-mesh gradient (its bytes with the default
+  recompute mode, whose gradient GEMMs are the backend's in-place kernels; within 1e-6 with
+  residuals="logits", whose whole-vocabulary gradient GEMMs are XLA's: two compilations of the
+  same GEMM may take two cuBLAS algorithms).
 * checked=True under jax.jit: refused at trace time with the way out; under checkify a bad
   target is named with the vocabulary size.
 """
@@ -85,7 +88,11 @@ def test_gradient_under_set_mesh_of_explicit_axes(residuals):
             got = fn(h, w, b, temp)
         for x, y in zip(got, want):
             x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-            assert row_mismatches(x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1))[0] == 0
+            rows, diff = row_mismatches(x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1))
+            if residuals == "recompute":
+                assert rows == 0, (rows, diff)
+            else:
+                assert diff <= 1e-6 * max(1.0, float(np.abs(y).max())), (rows, diff)
 
 
 def test_checked_mode_under_jit_names_the_bad_target():
