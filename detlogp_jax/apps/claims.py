@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from detlogp_jax import backends
 from detlogp_jax.apps.metrics import compare_logp, compare_values, per_step
+from detlogp_jax.body import backends as body_backends
 
 __all__ = ["build_rows", "build_entropy_rows", "build_claims", "build_report", "verdict"]
 
@@ -255,6 +256,14 @@ def verdict(report: dict[str, Any]) -> str:
     return head + ", ".join(passed) + "; " + tail + "."
 
 
+def _body_ops(cfg) -> dict[str, str] | None:
+    """Which backend serves each invariant body op in this run (None for the plain XLA body)."""
+    if cfg.body != "batch_invariant":
+        return None
+    resolve = lambda op: body_backends.preferred(op) if cfg.body_backend == "auto" else cfg.body_backend  # noqa: E731
+    return {op: resolve(op) for op in body_backends.OPS}
+
+
 def build_report(
     setup,
     rollout,
@@ -316,6 +325,7 @@ def build_report(
             "tp": cfg.tp,
             "body": cfg.body,
             "body_backend": cfg.body_backend,
+            "body_ops": _body_ops(cfg),
         },
         "sampling_program": dataclasses.asdict(setup.program),
         "shapes": {

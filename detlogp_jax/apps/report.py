@@ -57,7 +57,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Model: random toy NNX decoder LM, D={m['d_model']}, vocab {m['vocab_size']} (padded {m['padded_vocab_size']}), "
         f"{m['n_layers']} block(s), {m['dtype']}, prompt {m['prompt_len']} + {c['steps']} sampled tokens, TP={m['tp']}, "
-        f"body {m.get('body', 'xla')} (body ops' backend {m.get('body_backend', 'auto')}). "
+        f"body {m.get('body', 'xla')}"
+        + (f" (ops: {', '.join(f'{k} {v}' for k, v in m['body_ops'].items())})" if m.get("body_ops") else "")
+        + ". "
         f"Sampling program: {report['sampling_program']}.",
         f"Rollout: {report['shapes']['rollout_rows_per_step']} rows per decode step; trainer: its own forward of the "
         f"sequences in a shuffled order, {report['shapes'].get('trainer_sequences_per_forward')} per call, then "
