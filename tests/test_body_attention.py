@@ -85,6 +85,7 @@ def test_rows_do_not_depend_on_batch_position_cache_padding_or_neighbours():
     pos = np.arange(120)[None]
     alone = _bits(A.attention(q, k, v, q_positions=pos, backend="reference"))
     oq, ok, ov = _case(np.random.default_rng(3), b=5, s=200)
+    ok, ov = ok.at[:, 120:].set(jnp.nan), ov.at[:, 120:].set(jnp.inf)  # garbage past the keys, in the same block
     big_k = ok.at[3, :120].set(k[0])
     big_v = ov.at[3, :120].set(v[0])
     big_q = oq[:, :120].at[3].set(q[0])

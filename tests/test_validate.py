@@ -283,7 +283,7 @@ def test_main_job_in_a_fresh_clone_writes_only_its_out_dir(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert lines[-1].startswith("VERDICT: PASS -- ")
-    assert "not from the op" in lines[-1] or "no end-to-end drift" in lines[-1]
+    assert "end to end exact with the batch-invariant body too" in lines[-1]
     runs = os.listdir(clone / parity.DEFAULT_RESULTS_DIR)
     assert len(runs) == 1
     out = clone / parity.DEFAULT_RESULTS_DIR / runs[0]

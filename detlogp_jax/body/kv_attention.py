@@ -180,8 +180,9 @@ def reference_attention(q, k, v, *, q_positions, kv_start, scale: float, out_dty
         den_new = ops.add(ops.mul(den, alpha), numerics.tree64(e, ops))
         e = e.astype(model).astype(F32)  # the product's operand in the model dtype
 
-        def pv_step(kk, pv):  # fl(pv + fl(e_k * v_k)), keys ascending
-            return ops.add(pv, ops.mul(e[:, :, :, kk, None], vb[:, kk][:, None]))
+        def pv_step(kk, pv):  # fl(pv + fl(e_k * v_k)), keys ascending; a masked key adds +0 (never 0 * NaN)
+            prod = ops.mul(e[:, :, :, kk, None], vb[:, kk][:, None])
+            return ops.add(pv, jnp.where(valid[:, :, :, kk, None], prod, jnp.asarray(0.0, F32)))
 
         pv = lax.fori_loop(0, KV_BLOCK, pv_step, jnp.zeros((b, t, hq, dh), F32))
         acc_new = ops.add(ops.mul(acc, alpha[..., None]), pv)
