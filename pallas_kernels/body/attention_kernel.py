@@ -176,6 +176,14 @@ def build(
                             window = src.at[bi, keys, h, pl.ds(c * CHUNK, CHUNK)]
                             plgpu.copy_gmem_to_smem(window, ring.at[slot, c], full.at[slot])
 
+                # The consumer's releases of the last blocks, which no later load waits for: awaited so
+                # every phase of the ring's barriers is observed (the interpreter checks it).
+                @pl.loop(jnp.maximum(n_blocks - stages, 0), n_blocks)
+                def _drain(j):
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
             @pl.when(wg == 0)
             def _consumer():
                 plgpu.set_max_registers(cfg.consumer_regs, action="increase")
