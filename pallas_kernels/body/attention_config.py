@@ -35,12 +35,13 @@ class AttentionConfig:
     where shared memory is short (`stages_for`). heavy_first: CTAs take the row tiles of a
     (sequence, KV head) from the last (the most KV blocks, causal) to the first, so the long
     tiles start in the first wave. consumer_regs / producer_regs: `setmaxnreg` of the two
-    warpgroups (their sum times 128 threads bounds how many CTAs share an SM)."""
+    warpgroups; the defaults are the split JAX's warp-specialized pipeline gives one compute
+    warpgroup and a 40-register producer (what the body GEMM's decode bucket runs on the H200)."""
 
     name: str
     stages: int
     heavy_first: bool = True
-    consumer_regs: int = 232
+    consumer_regs: int = 256
     producer_regs: int = 40
 
     def __post_init__(self):
@@ -52,12 +53,12 @@ class AttentionConfig:
             raise ValueError(f"{self}: register counts must be multiples of 8 (setmaxnreg)")
 
 
-# Decode (one row tile per (sequence, KV head)): a two-slot ring (96 KiB of shared memory with a
-# bf16 output) and a register split that let two CTAs share an SM (2 x (216 + 40) x 128 = 65536
-# registers), so one CTA's softmax hides behind the other's loads. Prefill: a deeper ring, one CTA per SM with the full register file.
-# Estimates, not measurements: bit-neutral, to be tuned on the H200.
-DECODE = AttentionConfig("decode", stages=2, consumer_regs=216, producer_regs=40)
-PREFILL = AttentionConfig("prefill", stages=4, consumer_regs=232, producer_regs=40)
+# Decode (one row tile per (sequence, KV head), the cache streamed once: memory bound): a deep
+# ring, four K/V blocks in flight per CTA. Prefill (causal: every block read by many tiles, from
+# L2; the consumer's chain bound): three. Estimates, not measurements: bit-neutral, to be tuned
+# on the H200.
+DECODE = AttentionConfig("decode", stages=4)
+PREFILL = AttentionConfig("prefill", stages=3)
 CONFIGS = {c.name: c for c in (DECODE, PREFILL)}
 
 

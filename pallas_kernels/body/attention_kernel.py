@@ -303,15 +303,13 @@ def build(
                     v_smem.at[slot, c][...] = jnp.where(v_pos <= last, v_blk, jnp.asarray(0.0, BF16))
                 plgpu.commit_smem()
 
-        def pv(c):
-            def run(acc_ref):
+        def pv(acc_refs):  # every chunk's wgmma issued before the first result is awaited
+            for c, acc_ref in enumerate(acc_refs):
                 acc_store(acc_ref, acc_scaled[c])
                 plgpu.wgmma(acc_ref, e16, v_smem.at[slot, c])
-                return acc_ref[...]
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-            return pl.run_scoped(run, plgpu.ACC((ROWS, CHUNK), F32))
-
-        acc_new = tuple(pv(c) for c in range(nd))
+        acc_new = pl.run_scoped(pv, tuple(plgpu.ACC((ROWS, CHUNK), F32) for _ in range(nd)))
         plgpu.barrier_arrive(v_free.at[slot])
         live = pos >= j * KV  # the row's last block is j or later
         m = jnp.where(live, m_new, m)
