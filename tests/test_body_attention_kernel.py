@@ -187,18 +187,30 @@ def test_rows_do_not_depend_on_batch_position_padding_cache_length_or_neighbours
     assert _rows_differ(got[:, :, 1:2], alone[:, :, 1:2]) == 0
 
 
-def test_launch_configs_are_bit_neutral():
-    """The decode and prefill configs (4- and 3-slot rings) and a 2-slot ring walking the row
-    tiles first-to-last (it wraps around 3 KV blocks) give the same bytes."""
+@pytest.fixture(scope="module")
+def odd_heads():
+    """3 KV heads (G = 2) and 70 queries (140 rows: 3 row tiles), so a CTA's second consumer
+    warpgroup has no tile or no head in the last CTA of either pairing; and the bytes of the
+    one-warpgroup prefill config: (q, k, v, pos, output)."""
     rng = np.random.default_rng(5)
-    s, hq, hkv, dh = 150, 2, 1, 64
+    s, hq, hkv, dh = 150, 6, 3, 64
     k, v = _cache(rng, 1, s, hkv, dh)
-    q = _queries(rng, 1, 40, hq, dh)
-    pos = np.arange(s - 40, s)[None]
-    base = _run(q, k, v, pos, config="prefill")
-    other = ac.AttentionConfig("test", stages=2, heavy_first=False)
-    for config in ("decode", other):
-        assert _rows_differ(_run(q, k, v, pos, config=config), base) == 0, config
+    q = _queries(rng, 1, 70, hq, dh)
+    pos = np.arange(s - 70, s)[None]
+    return q, k, v, pos, _run(q, k, v, pos, config="prefill_1wg")
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["prefill", "decode", "decode_1wg", ac.AttentionConfig("ring2_first_to_last", stages=2, heavy_first=False)],
+    ids=lambda c: getattr(c, "name", c),
+)
+def test_launch_configs_are_bit_neutral(odd_heads, config):
+    """Every config (two consumer warpgroups on consecutive row tiles or KV heads, or one; 2- to
+    4-slot rings, a 2-slot ring wrapping around 3 KV blocks; tiles last-to-first or first-to-last)
+    gives the bytes of the one-warpgroup prefill config."""
+    q, k, v, pos, base = odd_heads
+    assert _rows_differ(_run(q, k, v, pos, config=config), base) == 0
 
 
 def _races_found():
@@ -207,19 +219,33 @@ def _races_found():
     return gpu_callbacks.get_races().races_found
 
 
-def test_no_races_in_one_cta():
-    """Race detection over a single CTA (one sequence, one KV head, one row tile) walking three
-    KV blocks through a 2-slot ring (slots reused), the last one partial (mask, selects, V
-    clean-up)."""
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_no_races_in_one_cta(wgs):
+    """Race detection over a single CTA (one sequence; one KV head, or two with two consumer
+    warpgroups) walking three KV blocks through 2-slot rings (slots reused), the last one partial
+    (mask, selects, V clean-up)."""
     rng = np.random.default_rng(6)
     s, dh = 150, 64
-    k, v = _cache(rng, 1, s, 1, dh)
-    q = _queries(rng, 1, 2, 4, dh)
-    ring2 = ac.AttentionConfig("ring2", stages=2)
+    k, v = _cache(rng, 1, s, wgs, dh)
+    q = _queries(rng, 1, 2, 4 * wgs, dh)
+    ring2 = ac.AttentionConfig("ring2", stages=2, wgs=wgs, pair="head", consumer_regs=232 if wgs == 2 else 256)
     params = plgpu.InterpretGPUParams(detect_races=True)
     got = _run(q, k, v, np.array([[140, 149]]), config=ring2, interpret_params=params)
     assert not _races_found(), "race detected in the attention kernel"
     assert np.isfinite(got).all()
+
+
+def test_config_selection():
+    """Two consumer warpgroups by default (decode: one row tile per (sequence, KV head); prefill:
+    more), one where two do not fit shared memory (Dh = 128 with an f32 output)."""
+    assert ac.select(1, 128, 2) is ac.DECODE and ac.select(2, 128, 2) is ac.PREFILL
+    assert ac.select(1, 128, 4) is ac.DECODE_1WG and ac.select(9, 128, 4) is ac.PREFILL_1WG
+    assert ac.select(9, 64, 4) is ac.PREFILL and ac.select(9, 64, 2, "decode_1wg") is ac.DECODE_1WG
+    assert all(ac.smem_bytes(128, ac.stages_for(c, 128, 2), 2, c.wgs) <= ac.SMEM_LIMIT for c in ac.CONFIGS.values())
+    with pytest.raises(ValueError, match="known"):
+        ac.select(1, 64, 2, "fastest")
+    with pytest.raises(ValueError, match="wgs"):
+        ac.AttentionConfig("bad", stages=2, wgs=3)
 
 
 def test_tile_metadata():

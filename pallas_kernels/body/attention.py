@@ -112,7 +112,7 @@ def attention(
         raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, got {out_dtype.name}")
     b, t, hq, dh = q.shape
     rows = -(-(t * (hq // k.shape[2])) // ac.ROWS) * ac.ROWS
-    cfg = ac.select(rows // ac.ROWS, config)
+    cfg = ac.select(rows // ac.ROWS, dh, out_dtype.itemsize, config)
     kv_start = jnp.zeros((b,), jnp.int32) if kv_start is None else jnp.asarray(kv_start)
     return _launch(
         q,
