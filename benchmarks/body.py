@@ -98,6 +98,12 @@ flags.DEFINE_list("ops", ["gemm"], "Body ops to time: gemm, attention.")
 flags.DEFINE_enum("shape", "qwen3_8b", sorted(GEMM_SHAPES), "Layer shapes by model.")
 flags.DEFINE_list("attn_cases", list(ATTN_CASES["qwen3_8b"]), "Attention cases: decode, prefill, prefill_long.")
 flags.DEFINE_list("attn_lanes", list(ATTN_LANES), f"Attention lanes, from {list(ATTN_LANES)}.")
+flags.DEFINE_string(
+    "attn_config",
+    None,
+    "ours where pallas_sm90 serves: force this launch config of the Hopper attention kernel "
+    "(pallas_kernels.body.attention_config.CONFIGS; bit-neutral), else its default choice.",
+)
 flags.DEFINE_list("gemm_proj", ["q", "k", "v", "o", "gate", "up", "down"], "Projections (same shapes timed once).")
 flags.DEFINE_list("m", ["1", "8", "64", "512", "4096", "8192"], "Rows per call (M).")
 flags.DEFINE_list("lanes", list(GEMM_LANES), f"GEMM lanes, from {list(GEMM_LANES)}.")
@@ -333,6 +339,23 @@ def run_attention() -> tuple[list[LaneResult], list[dict]]:
             "ours": lambda q, k, v, p, ks: body.attention(q, k, v, q_positions=p, kv_start=ks, backend=FLAGS.backend),
             "xla": lambda q, k, v, p, ks: body.attention(q, k, v, q_positions=p, kv_start=ks, backend="xla"),
         }
+        if FLAGS.attn_config and served == "pallas_sm90":
+            from pallas_kernels.body import attention as pallas_attention
+
+            def forced(q, k, v, p, ks):
+                return pallas_attention.attention(
+                    q,
+                    k,
+                    v,
+                    q_positions=p,
+                    kv_start=ks,
+                    scale=heads[2] ** -0.5,
+                    out_dtype=q.dtype,
+                    config=FLAGS.attn_config,
+                )
+
+            fns["ours"] = forced
+            served = f"pallas_sm90 (config {FLAGS.attn_config})"
         by = {"ours": served, "xla": "body.attention(backend='xla')", "cudnn": "jax.nn.dot_product_attention (cuDNN)"}
         label = f"{case} B={b} T={t} S={s}"
         compiled, firsts = {}, {}

@@ -267,14 +267,25 @@ def test_rows_identical_across_prefill_chunks_and_decode(seqs):
 
 
 def test_launch_configs_give_the_same_bytes(seqs):
+    """Every launch config (two consumer warpgroups on consecutive row tiles or KV heads, or one;
+    2- to 4-slot rings; tiles last-to-first or first-to-last) gives the default's bytes for a
+    prefill with an odd number of row tiles and a decode batch."""
     q, k, v = seqs
-    t = T_SHORT // 2
-    args = (q[:2, :t], k[:2, :t], v[:2, :t], _pos(2, t), _zeros(2))
-    base = _lane("ours", jnp.bfloat16, "prefill")(*args)
-    other = ac.AttentionConfig("gpu_test", stages=2, heavy_first=False)
-    for config in ("decode", other):
-        got = _lane("ours", jnp.bfloat16, config)(*args)
-        assert _record(f"prefill 2x{t} config {getattr(config, 'name', config)} vs prefill", "ours", got, base) == 0
+    t = T_SHORT // 2 + 40  # 4 t rows: 35 row tiles per (sequence, KV head), an odd number
+    prefill = (q[:2, :t], k[:2, :t], v[:2, :t], _pos(2, t), _zeros(2))
+    qd, kd, vd, pos, pad, _, _ = _decode_batch(seqs, padded=True)
+    decode = (qd, kd, vd, pos, pad)
+    base = {"prefill": _lane("ours")(*prefill), "decode": _lane("ours")(*decode)}
+    configs = [*ac.CONFIGS, ac.AttentionConfig("gpu_test", stages=2, heavy_first=False)]
+    bad = []
+    for config in configs:
+        name = getattr(config, "name", config)
+        for case, args in (("prefill", prefill), ("decode", decode)):
+            rows = _record(
+                f"{case} config {name} vs default", "ours", _lane("ours", jnp.bfloat16, config)(*args), base[case]
+            )
+            bad += [(case, name, rows)] if rows else []
+    assert not bad, bad
 
 
 def test_auto_resolution_on_the_gpu(seqs):
