@@ -271,6 +271,9 @@ def test_supports_refuses_with_reasons():
         qd, kd = jnp.zeros((1, 2, 8, dh), BF16), jnp.zeros((1, 16, 2, dh), BF16)
         ok, why = pa.supports(qd, kd, kd)
         assert not ok and "(64, 128)" in why and str(dh) in why
+    big_q, big_kv = jax.ShapeDtypeStruct((70000, 1, 8, 64), BF16), jax.ShapeDtypeStruct((70000, 16, 2, 64), BF16)
+    ok, why = pa.supports(big_q, big_kv, big_kv)
+    assert not ok and "65535" in why
     with pytest.raises(ValueError, match="bfloat16"):
         pa.attention(
             q.astype(jnp.float32),

@@ -23,15 +23,24 @@ from pallas_kernels.body import attention_kernel
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (KV-head pairs, sequences)
+
+
 def supports(q, k, v) -> tuple[bool, str]:
     """(ok, why): bfloat16 q, k, v; head dim in `attention_config.HEAD_DIMS` (64, 128); any
-    GQA group size G = Hq / Hkv (a query's G rows may straddle row tiles: rows are independent)."""
+    GQA group size G = Hq / Hkv (a query's G rows may straddle row tiles: rows are independent);
+    at most 65535 sequences and KV heads (the launch grid's y and z extents)."""
     dts = {jnp.dtype(x.dtype).name for x in (q, k, v)}
     if dts != {"bfloat16"}:
         return False, f"the Hopper attention kernel takes bfloat16 q, k and v, got {sorted(dts)}"
     dh = q.shape[-1]
     if dh not in ac.HEAD_DIMS:
         return False, f"the Hopper attention kernel takes head dims {ac.HEAD_DIMS}, got {dh}"
+    if q.shape[0] > MAX_GRID_YZ or k.shape[2] > MAX_GRID_YZ:
+        return (
+            False,
+            f"the Hopper attention kernel takes at most {MAX_GRID_YZ} sequences and KV heads, got {q.shape[0]}, {k.shape[2]}",
+        )
     return True, ""
 
 
