@@ -375,3 +375,17 @@ def test_lowered_kernel_pins_its_arithmetic(dh):
     assert len(wgmmas) == 2 * 2 * (dh // 64) * 4, len(wgmmas)
     # tree64's slice sums: per loop, 8 slices x 2 rows per thread x (in-thread pair, 2 shuffles, + init 0).
     assert text.count("arith.addf") == 2 * 8 * 2 * 4
+
+
+def test_lowered_rings_alias_their_two_views():
+    """The kernel relies on the TMA's untiled view and wgmma's tiled view of each K / V ring
+    being the same bytes: in the lowered module (Qwen3-8B decode: 2 consumer warpgroups, 2
+    slots, 2 chunks of a 128-wide head) both views of each ring start at the same offset, and
+    there are two rings."""
+    import re
+
+    text = _mosaic_module(lambda: _lower(64, 1, 4096, out_dtype=BF16, **QWEN3_8B))
+    view = r"memref\.view %\w+\[%c(\d+)\]\[\] : memref<\?xi8, #gpu\.address_space<workgroup>> to memref<{}xbf16"
+    untiled = set(re.findall(view.format("2x2x2x64x64"), text))
+    tiled = set(re.findall(view.format("2x2x2x8x1x8x64"), text))
+    assert len(untiled) == 2 and untiled == tiled, (untiled, tiled)
