@@ -3,6 +3,8 @@
     python -m benchmarks.body --ops=gemm --out=/tmp/body_gemm.json                 # H200, Qwen3-8B
     python -m benchmarks.body --ops=gemm --m=1,64,4096 --gemm_proj=q,down --lanes=ours,xla
     python -m benchmarks.body --shape=tiny --m=1,8 --lanes=ours,xla                # CPU smoke run
+    python -m benchmarks.body --ops=attention --out=/tmp/body_attention.json       # H200, Qwen3-8B heads
+    python -m benchmarks.body --ops=attention --shape=tiny --attn_lanes=ours,xla   # CPU smoke run
 
 GEMM lanes, per projection of a Qwen3-8B layer (q [4096 -> 4096], k / v [4096 -> 1024],
 o [4096 -> 4096], gate / up [4096 -> 12288], down [12288 -> 4096]; projections of one shape
@@ -16,8 +18,22 @@ A sample is --calls_per_sample back-to-back calls then one `jax.block_until_read
 over 3 distinct operand sets (W of 3 layers: decode streams weights from memory, not from L2).
 Each lane reports median / min / max ms; `ours/xla` is the median of --iters paired ratios
 (`benchmarks.timing.paired_ratios`: the two lanes sampled alternately in the same run). Bars
-(issue 40): ours/xla <= 1.05 at M <= 64, <= 1.10 at M >= 512. A JSON with every sample goes to
---out (none by default); a table closes the run.
+(issue 40): ours/xla <= 1.05 at M <= 64, <= 1.10 at M >= 512.
+
+Attention lanes (--ops attention), causal GQA over a KV cache at the Qwen3-8B heads (Hq = 32,
+Hkv = 8, Dh = 128, bf16), per case of --attn_cases: "decode" (B = 64 sequences, one query each,
+over a cache of 4096 slots, positions spread over the last 1024), "prefill" (8 x 1024 queries
+over their own 1024 keys) and "prefill_long" (1 x 4096):
+* ours: `body.attention` (backend --backend: pallas_sm90 on a Hopper GPU, the reference
+  elsewhere);
+* xla: `body.attention(..., backend="xla")`, plain einsum + masked softmax (what a Flax /
+  Tunix model runs);
+* cudnn: `jax.nn.dot_product_attention(..., implementation="cudnn")` (prefill: is_causal; decode:
+  key_value_seq_lengths = position + 1); skipped where cuDNN is not there.
+Same sampling as the GEMM lanes (3 operand sets); `ours/xla` and `ours/cudnn` are medians of
+paired ratios. No bars yet: the first H200 numbers set them.
+
+A JSON with every sample goes to --out (none by default); tables close the run.
 """
 
 from __future__ import annotations
@@ -69,10 +85,25 @@ GEMM_SHAPES = {
 }
 GEMM_LANES = ("ours", "xla", "cublas")
 N_SETS = 3
+# Attention: heads (Hq, Hkv, Dh) and cases (B sequences, T queries each, S cache slots) per --shape.
+ATTN_HEADS = {"qwen3_8b": (32, 8, 128), "tiny": (4, 2, 64)}
+ATTN_CASES = {
+    "qwen3_8b": {"decode": (64, 1, 4096), "prefill": (8, 1024, 1024), "prefill_long": (1, 4096, 4096)},
+    "tiny": {"decode": (4, 1, 256), "prefill": (2, 64, 64), "prefill_long": (1, 128, 128)},
+}
+ATTN_LANES = ("ours", "xla", "cudnn")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("ops", ["gemm"], "Body ops to time: gemm.")
+flags.DEFINE_list("ops", ["gemm"], "Body ops to time: gemm, attention.")
 flags.DEFINE_enum("shape", "qwen3_8b", sorted(GEMM_SHAPES), "Layer shapes by model.")
+flags.DEFINE_list("attn_cases", list(ATTN_CASES["qwen3_8b"]), "Attention cases: decode, prefill, prefill_long.")
+flags.DEFINE_list("attn_lanes", list(ATTN_LANES), f"Attention lanes, from {list(ATTN_LANES)}.")
+flags.DEFINE_string(
+    "attn_config",
+    None,
+    "ours where pallas_sm90 serves: force this launch config of the Hopper attention kernel "
+    "(pallas_kernels.body.attention_config.CONFIGS; bit-neutral), else its default choice.",
+)
 flags.DEFINE_list("gemm_proj", ["q", "k", "v", "o", "gate", "up", "down"], "Projections (same shapes timed once).")
 flags.DEFINE_list("m", ["1", "8", "64", "512", "4096", "8192"], "Rows per call (M).")
 flags.DEFINE_list("lanes", list(GEMM_LANES), f"GEMM lanes, from {list(GEMM_LANES)}.")
@@ -249,7 +280,144 @@ def _ratio_row(label, k, n, m, compiled, firsts, xs, layout, medians):
     )
 
 
+# --- attention ---------------------------------------------------------------------------------
+
+
+def _attn_positions(b: int, t: int, s: int):
+    """[B, T] int32 query positions: decode (T = 1) spreads its sequences over the cache's last
+    1024 slots (each a different length); a prefill's queries are 0 .. T - 1 (T == S)."""
+    if t == 1:
+        span = min(1024, s)
+        return jnp.asarray((s - 1 - (np.arange(b) * 97) % span)[:, None], jnp.int32)
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def _attn_operand_sets(b, t, s, heads, seed):
+    """N_SETS (q, k, v, q_positions, kv_start) tuples of device arrays (bf16 q / k / v)."""
+    hq, hkv, dh = heads
+    pos = _attn_positions(b, t, s)
+    sets = []
+    for i in range(N_SETS):
+        kq, kk, kv = jax.random.split(jax.random.key(seed * 1000 + 500 + i), 3)
+        q = jax.random.normal(kq, (b, t, hq, dh), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(kk, (b, s, hkv, dh), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (b, s, hkv, dh), jnp.float32).astype(jnp.bfloat16)
+        sets.append((q, k, v, pos, jnp.zeros((b,), jnp.int32)))
+    return sets
+
+
+def _cudnn_lane(decode: bool):
+    """jax.nn.dot_product_attention on cuDNN for this case, or (None, why not)."""
+    if jax.devices()[0].platform != "gpu":
+        return None, "cuDNN needs a CUDA GPU"
+
+    def fn(q, k, v, pos, ks):
+        del ks  # every benchmark sequence starts at slot 0
+        if decode:  # one query at position p attends slots 0 .. p
+            lengths = pos[:, 0] + 1
+            return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    return fn, ""
+
+
+def run_attention() -> tuple[list[LaneResult], list[dict]]:
+    """Every attention lane at every case; returns (lane results, ratio rows)."""
+    cases = ATTN_CASES[FLAGS.shape]
+    unknown = [c for c in FLAGS.attn_cases if c not in cases]
+    if unknown:
+        raise app.UsageError(f"unknown --attn_cases {unknown}; known: {sorted(cases)}")
+    heads = ATTN_HEADS[FLAGS.shape]
+    lanes = [lane for lane in FLAGS.attn_lanes if lane in ATTN_LANES]
+    results, ratios = [], []
+    for case in FLAGS.attn_cases:
+        b, t, s = cases[case]
+        sets = _attn_operand_sets(b, t, s, heads, FLAGS.seed)
+        q, k, v, pos, ks = sets[0]
+        served = body_backends.resolve("attention", FLAGS.backend, q, k, v).name
+        fns = {
+            "ours": lambda q, k, v, p, ks: body.attention(q, k, v, q_positions=p, kv_start=ks, backend=FLAGS.backend),
+            "xla": lambda q, k, v, p, ks: body.attention(q, k, v, q_positions=p, kv_start=ks, backend="xla"),
+        }
+        if FLAGS.attn_config and served == "pallas_sm90":
+            from pallas_kernels.body import attention as pallas_attention
+
+            def forced(q, k, v, p, ks):
+                return pallas_attention.attention(
+                    q,
+                    k,
+                    v,
+                    q_positions=p,
+                    kv_start=ks,
+                    scale=heads[2] ** -0.5,
+                    out_dtype=q.dtype,
+                    config=FLAGS.attn_config,
+                )
+
+            fns["ours"] = forced
+            served = f"pallas_sm90 (config {FLAGS.attn_config})"
+        by = {"ours": served, "xla": "body.attention(backend='xla')", "cudnn": "jax.nn.dot_product_attention (cuDNN)"}
+        label = f"{case} B={b} T={t} S={s}"
+        compiled, firsts = {}, {}
+        for lane in lanes:
+            res = LaneResult("attention", case, s, heads[0] * heads[2], b * t, lane, by[lane], None, None, None, [])
+            res.note = label
+            fn, why = (fns[lane], "") if lane != "cudnn" else _cudnn_lane(t == 1)
+            if fn is None:
+                res.note = f"{label}; skipped: {why}"
+            else:
+                try:
+                    compiled[lane], res.compile_s, res.samples_ms, firsts[lane] = _time_jax(
+                        fn, sets, FLAGS.calls_per_sample
+                    )
+                except Exception as e:  # a lane that fails to build or run is reported; the rest go on
+                    res.note = f"{label}; failed: {type(e).__name__}: {str(e)[:300]}"
+            res.median_ms, res.min_ms, res.max_ms = _stats(res.samples_ms)
+            results.append(res)
+            print(_lane_line(res), flush=True)
+        if "ours" in compiled:
+            row = dict(op="attention", proj=case, b=b, t=t, s=s, m=b * t, bar=None, passes=None)
+            for other in ("xla", "cudnn"):
+                if other not in compiled:
+                    row[f"ours_over_{other}"], row[f"paired_samples_{other}"] = None, []
+                    row[f"max_abs_diff_vs_{other}"] = None
+                    continue
+                paired = timing.paired_ratios(
+                    compiled[other], compiled["ours"], sets, pairs=FLAGS.iters, calls_per_sample=FLAGS.calls_per_sample
+                )
+                row[f"ours_over_{other}"] = statistics.median(paired)
+                row[f"paired_samples_{other}"] = paired
+                diff = jnp.abs(firsts["ours"].astype(jnp.float32) - firsts[other].astype(jnp.float32))
+                row[f"max_abs_diff_vs_{other}"] = float(jnp.max(diff))
+            ratios.append(row)
+    return results, ratios
+
+
+def _attn_table(results, ratios) -> str:
+    med = {(r.proj, r.lane): r.median_ms for r in results if r.op == "attention"}
+    fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)
+    lines = [
+        f"{'case':13s} {'B':>3s} {'T':>5s} {'S':>5s} {'ours ms':>9s} {'xla ms':>9s} {'cudnn ms':>9s} "
+        f"{'ours/xla':>8s} {'ours/cudnn':>10s}"
+    ]
+    for row in ratios:
+        c = row["proj"]
+        lines.append(
+            f"{c:13s} {row['b']:3d} {row['t']:5d} {row['s']:5d} {fmt(med.get((c, 'ours'))):>9s} "
+            f"{fmt(med.get((c, 'xla'))):>9s} {fmt(med.get((c, 'cudnn'))):>9s} "
+            f"{fmt(row['ours_over_xla'], '.3f'):>8s} {fmt(row['ours_over_cudnn'], '.3f'):>10s}"
+        )
+    return "\n".join(lines)
+
+
 def _lane_line(r: LaneResult) -> str:
+    if r.op == "attention":
+        if r.median_ms is None:
+            return f"[attention] {r.lane:6s} {r.note}"
+        return (
+            f"[attention] {r.lane:6s} {r.note}: median {r.median_ms:.4f} ms "
+            f"(min {r.min_ms:.4f}, max {r.max_ms:.4f}, {len(r.samples_ms)} samples) by {r.served_by}"
+        )
     if r.median_ms is None:
         return f"[{r.op}] {r.proj:8s} M={r.m:<5d} {r.lane:6s} skipped: {r.note}"
     return (
@@ -263,6 +431,8 @@ def _table(results, ratios) -> str:
     fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)
     lines = [f"{'proj':9s} {'M':>5s} {'ours ms':>9s} {'xla ms':>9s} {'cublas ms':>9s} {'ours/xla':>8s} {'bar':>5s} ok"]
     for row in ratios:
+        if row["op"] != "gemm":
+            continue
         p, m = row["proj"], row["m"]
         ok = {True: "PASS", False: "FAIL", None: "-"}[row["passes"]]
         lines.append(
@@ -291,7 +461,7 @@ def _meta() -> dict:
     )
 
 
-OPS = {"gemm": run_gemm}  # the attention lanes join here
+OPS = {"gemm": run_gemm, "attention": run_attention}
 
 
 def main(argv):
@@ -311,7 +481,10 @@ def main(argv):
         with open(FLAGS.out, "w") as f:
             json.dump(report, f, indent=1)
     print(f"\n=== body benchmark ({report['meta']['device']}, {time.perf_counter() - t0:.0f} s) ===")
-    print(_table(results, ratios))
+    if "gemm" in FLAGS.ops:
+        print(_table(results, ratios))
+    if "attention" in FLAGS.ops:
+        print(_attn_table(results, ratios))
     if FLAGS.out:
         print(f"JSON: {FLAGS.out}")
 

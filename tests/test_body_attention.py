@@ -165,3 +165,28 @@ def test_auto_takes_the_reference_where_the_gpu_backend_lacks_the_op(monkeypatch
     with backends.strict_mode():
         out = A.attention(q, k, v, q_positions=np.zeros((1, 8), int))
     assert out.shape == S and not [w for w in recwarn if "falls back" in str(w.message)]
+
+
+def test_body_benchmark_attention_runs_on_cpu(tmp_path):
+    """`python -m benchmarks.body --ops=attention` at the tiny shapes: a lane row per (case, lane)
+    (cuDNN skipped with its reason on a CPU) and a ratio row per case in the JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "attn.json"
+    cmd = [sys.executable, "-m", "benchmarks.body", "--ops=attention", "--shape=tiny", "--attn_cases=decode,prefill"]
+    cmd += ["--iters=2", "--warmup=1", "--calls_per_sample=1", f"--out={out}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    lanes = {(r["proj"], r["lane"]): r for r in report["lanes"]}
+    assert set(lanes) == {(c, lane) for c in ("decode", "prefill") for lane in ("ours", "xla", "cudnn")}
+    assert lanes[("decode", "ours")]["served_by"] == "reference" and lanes[("decode", "ours")]["median_ms"] > 0
+    assert lanes[("prefill", "cudnn")]["median_ms"] is None and "skipped" in lanes[("prefill", "cudnn")]["note"]
+    assert [(r["op"], r["proj"]) for r in report["ratios"]] == [("attention", "decode"), ("attention", "prefill")]
+    assert all(r["max_abs_diff_vs_xla"] < 0.05 and r["ours_over_xla"] > 0 for r in report["ratios"])
+    assert "ours/cudnn" in proc.stdout

@@ -5,7 +5,9 @@ plugin spec "pallas_kernels.body:body_entry". Available on a CUDA GPU of compute
 9.x (`pallas_kernels.is_available`).
 
 Modules: `matmul` (host side of the GEMM: `matmul`, `supports`), `matmul_kernel` (the
-kernel), `matmul_config` (its frozen launch configs per M bucket and the instruction N).
+kernel), `matmul_config` (its frozen launch configs per M bucket and the instruction N);
+`attention` (host side of the KV-cache attention: `attention`, `supports`),
+`attention_kernel` (the kernel), `attention_config` (its frozen, bit-neutral launch configs).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ BACKEND_NAME = "pallas_sm90"
 def body_entry() -> BodyBackend:
     """The invariant Hopper body backend (its ops: see the module docstring)."""
     import pallas_kernels as pk
-    from pallas_kernels.body import matmul
+    from pallas_kernels.body import attention, matmul
 
     return BodyBackend(
         name=BACKEND_NAME,
@@ -27,6 +29,8 @@ def body_entry() -> BodyBackend:
         unavailable_reason=pk.unavailable_reason,
         matmul=matmul.matmul,
         supports_matmul=matmul.supports,
+        attention=attention.attention,
+        supports_attention=attention.supports,
         description="Pallas Mosaic GPU kernels for Hopper (sm_90): TMA + wgmma, one f32 accumulator, K ascending",
     )
 
