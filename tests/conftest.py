@@ -47,7 +47,23 @@ def _has_hopper():
     return is_available()
 
 
+def _sweep_tails(items):
+    """The test tiers' rule for sweeps: of a parametrized test's cases, the first one collected is
+    in the fast tier and the others are in the slow tier (`slow`), unless the test is marked
+    `every_case` (each case checks a path of its own). docs/TESTING.md, "Test tiers"."""
+    seen = set()
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None or not hasattr(item, "callspec") or "every_case" in item.keywords:
+            continue
+        key = (item.module.__name__ if item.module else "", fn.__qualname__)
+        if key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)
+
+
 def pytest_collection_modifyitems(config, items):
+    _sweep_tails(items)
     if _has_hopper():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU")

@@ -490,6 +490,7 @@ def test_lowering_checks_say_what_the_kernel_plans_rely_on():
     assert got["swizzled_column_slice"].startswith("refused"), got
 
 
+@pytest.mark.slow
 def test_handoff_check_runs_and_agrees_in_interpret_mode(capsys):
     """benchmarks.experiments.handoff_check (the H200 check that found the swizzled hand-off's
     missing barriers, docs/KERNEL_DESIGN.md "The bias"): on the CPU its first case with the shipped swizzled
@@ -503,6 +504,7 @@ def test_handoff_check_runs_and_agrees_in_interpret_mode(capsys):
     assert out.count(" same ") == 2 and "DIFF" not in out, out
 
 
+@pytest.mark.slow
 def test_mosaic_ir_hashes_lowers_every_forward_variant_at_the_small_shape(monkeypatch):
     """benchmarks.mosaic_ir_hashes (the restructure guard) builds every forward variant at its small
     shape with the static arguments the wrapper would pass (the ninth session's swizzled buckets
@@ -543,6 +545,7 @@ def test_mosaic_ir_hashes_fold_selector_prints_the_fold_lines(monkeypatch, capsy
         mh.main(["folds"])
 
 
+@pytest.mark.slow
 def test_chain_stand_ins_replace_the_chain_only_inside_the_block(monkeypatch):
     """benchmarks.experiments.chain_stand_ins (probe_kernel's chain18, power_probe --stand_ins):
     the prefill kernel built inside `replaced_chain(stand_in)` lowers for CUDA at the small shape

@@ -120,6 +120,7 @@ def pool():
 SIZES = sorted(set(range(1, 25)) | set(range(25, 300, 17)) | {127, 128, 129, 255, 256, 257, 299, 300})
 
 
+@pytest.mark.slow
 def test_entropy_alone_equals_in_batches_1_to_300(pool):
     """Every size 1..24, then every 17th up to 300 and the compile-bucket edges (each size
     compiles its own small reshape programs, so all 300 would take a minute)."""

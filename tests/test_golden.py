@@ -178,6 +178,7 @@ def _tracked_tree(dst):
             shutil.copy2(src, os.path.join(dst, rel))
 
 
+@pytest.mark.slow
 @pytestmark_cpu
 def test_installed_wheel_replays_from_another_directory(tmp_path):
     """Wheel -> fresh venv (no checkout on the path) -> `python -m detlogp_jax.golden` elsewhere: passes."""

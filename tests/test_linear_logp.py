@@ -56,6 +56,7 @@ def test_L2_alone_equals_in_batch_300(pool):
     assert_bitwise_equal(pool["batch"].lse, pool["lse"], "lse alone vs batch")
 
 
+@pytest.mark.slow
 def test_L2_every_position_every_batch_size_1_to_257(pool):
     """Row bytes identical alone vs at every position of batches of sizes 1..257,
     with different neighbours each time (rows drawn by a permutation)."""

@@ -147,6 +147,7 @@ def test_kernel_entropy_equals_oracle_every_bucket(bucket, bias):
     _check_fold(m, s, z_t, a, t, inv_t, v, logits, temp, vp, races=bias)
 
 
+@pytest.mark.slow
 def test_chain_tile_entropy_over_several_tiles_equals_oracle():
     """tile_math.chain_tile(a=) chained over 7 tiles (masked and unmasked steps, rows whose max
     moves, stays, or starts at -inf; rows with -inf lanes; a row of equal logits) == the oracle's
@@ -363,6 +364,7 @@ def test_fold_refuses_a_statistic_of_another_shape():
         pk.fold(m, m, np.zeros(4), np.zeros(4, np.int32), np.ones(4, np.float32), 100, a=m[:, :2], interpret=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 70], ids=["M1", "M70"])
 def test_fused_forward_equals_partials_and_fold(n):
     """pk.forward (the fold reads the forward's split-major partials over its padded rows, no

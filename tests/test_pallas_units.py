@@ -794,6 +794,7 @@ def test_pallas_backend_resolves_a_dv_weight(monkeypatch):
     assert got.name == "reference" and fallback
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entropy", [False, True], ids=["plain", "entropy"])
 def test_the_unsharded_program_does_not_relayout_the_partials(monkeypatch, entropy):
     """linear_logp on pallas_sm90, lowered for CUDA: the two kernels (forward, fold) with no
@@ -858,6 +859,7 @@ def test_hidden_box_lowers_for_cuda(h_rows):
         _decode_ws_kernel(8, False, n_pad=128)
 
 
+@pytest.mark.slow
 def test_hidden_box_gives_the_same_bytes_in_interpret_mode():
     """The 8-row hidden box reads the rows the full box reads where the hidden array's other
     rows are zeros (padding rows): every partial equal, padding rows included."""
@@ -915,6 +917,7 @@ def test_row_invariant_interpret_matmul_is_a_fixed_order_sum_per_element():
         mm(a[None], b)
 
 
+@pytest.mark.slow
 def test_entry_points_take_a_weight_layout_or_its_name():
     """Every entry point the op core calls takes weight_layout as "vd" / "dv" or as a
     `detlogp_jax.layout.WeightLayout` (converted once with `as_layout`), with the same result:

@@ -251,6 +251,7 @@ def test_backward_refuses_saved_logits_of_the_wrong_shape():
 # --- the forward ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_forward_bytes_do_not_depend_on_the_mode(layout):
     """logp, lse, entropy and logits: the same bytes in both modes, called plainly and as
@@ -430,6 +431,7 @@ def tp_results(tmp_path_factory):
     return data["result"]
 
 
+@pytest.mark.slow
 def test_tp_residual_mode_matches_single_device(tp_results):
     """linear_logp_tp(residuals="logits") at TP=8, TP=2 x 2 row shards and a [D, V] kernel at
     TP=4: forward bytes equal single device's; gradients (a logp + lse + logits + entropy
@@ -446,6 +448,7 @@ def test_tp_residual_mode_matches_single_device(tp_results):
         assert all(r["repeat_bitwise"].values()), (cfg, r["repeat_bitwise"])
 
 
+@pytest.mark.slow
 def test_local_api_residual_mode_inside_shard_map(tp_results):
     """linear_logp_local(residuals="logits") in a vma-typed shard_map (TP=2 x 2 rows): logp
     bytes and the hidden / weight-shard gradients of single-device residual mode."""

@@ -25,6 +25,9 @@ ROOT = os.path.dirname(HERE)
 CASES = os.path.join(HERE, "sharding_cases.py")
 TIMEOUT = 1500
 
+# The slow tier: the sweeps over TP degrees and meshes (a two-device TP run is tests/test_tp_fast.py).
+pytestmark = pytest.mark.slow
+
 _RUNS: dict = {}
 
 

@@ -23,6 +23,9 @@ ROOT = os.path.dirname(HERE)
 GPU_DIR = os.path.join(HERE, "gpu")
 TIMEOUT = 600
 
+# The slow tier: the sweeps over TP degrees and meshes (a two-device TP run is tests/test_tp_fast.py).
+pytestmark = pytest.mark.slow
+
 
 def _env(n_devices):
     env = dict(os.environ)

@@ -217,8 +217,10 @@ def xla_attention(q, k, v, *, q_positions, kv_start, scale: float, out_dtype):
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32) * scale
     pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] - kv_start[:, None]  # [B, S]
     valid = (pos[:, None, :] >= 0) & (pos[:, None, :] <= q_positions[:, :, None])  # [B, T, S]
-    s = jnp.where(valid[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    # masked keys at the lowest finite value, not -inf: a row with no key (a padding query)
+    # gets a finite softmax, then zeroed, so its output and its gradients are +0, never NaN
+    s = jnp.where(valid[:, None, None], s, jnp.finfo(F32).min)
+    p = jnp.where(jnp.any(valid, axis=-1)[:, None, None, :, None], jax.nn.softmax(s, axis=-1), 0.0)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(q.dtype), v, preferred_element_type=F32)
     return o.reshape(b, t, hq, dh).astype(out_dtype)
 
