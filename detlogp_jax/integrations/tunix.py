@@ -241,6 +241,14 @@ def _hidden_states(model, head: _Head, input_tokens, kwargs):
     return out.astype(probe.dtype), cache  # exact: an identity, or Qwen's float32 cast of it
 
 
+@functools.partial(jax.jit, static_argnames=("body",))
+def _jit_hidden_states(graphdef, state, input_tokens, kwargs, *, body):
+    """`_hidden_states` under jit (inlined when the caller is traced already); `body` (the
+    patched body and its backend) keys the trace: the body's classes read it at trace time."""
+    model = nnx.merge(graphdef, state)
+    return _hidden_states(model, _head(model), input_tokens, kwargs)
+
+
 def hidden_states(model, input_tokens, **model_kwargs):
     """(final hidden states [B, L, D], new cache) of a Tunix model: its own ``__call__``
     (``positions=``, ``cache=``, ``attention_mask=``, ...) with the lm_head replaced by an
@@ -485,7 +493,10 @@ def per_token_logps(
             kwargs["segment_ids"] = input_seg_ids
     if images is not None:
         kwargs["images"] = images
-    hidden, _ = _hidden_states(model, head, input_tokens, kwargs)
+    if _active_body() is not None:  # compiled, as the sampler's steps are (eager RoPE rounds otherwise)
+        hidden, _ = _jit_hidden_states(*nnx.split(model), input_tokens, kwargs, body=_active_body())
+    else:
+        hidden, _ = _hidden_states(model, head, input_tokens, kwargs)
 
     keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
     h = hidden[:, hidden.shape[1] - keep - 1 : hidden.shape[1] - 1]
