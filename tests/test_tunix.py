@@ -778,6 +778,22 @@ def test_body_backward_is_finite_and_close_to_tunix():
         assert np.abs(a - b).max() <= 1e-4 * max(np.abs(b).max(), 1.0), jax.tree_util.keystr(path)
 
 
+def test_body_hidden_states_called_directly_or_under_jit():
+    """While the body is patched, hidden_states / per_token_logps compile their forward (with Python
+    flags such as output_hidden_states static): a direct call gives the bytes of a call inside a jit."""
+    model = make_model("qwen3", False, layers=1)
+    prompt, comp = batch(seed=3)
+    ids, positions, mask, _ = common.process_ids(jnp.asarray(prompt), jnp.asarray(comp), PAD, EOS)
+    kw = dict(positions=positions, cache=None, attention_mask=mask)
+    with dt.patch(body="batch_invariant"):
+        direct, _ = dt.hidden_states(model, ids, output_hidden_states=True, **kw)
+        traced, _ = jax.jit(lambda ids, kw: dt.hidden_states(model, ids, **kw))(ids, kw)
+        lp = dt.per_token_logps(model, prompt, comp, pad_id=PAD, eos_id=EOS)
+        lp_traced = jax.jit(lambda p, c: dt.per_token_logps(model, p, c, pad_id=PAD, eos_id=EOS))(prompt, comp)
+    assert_bitwise_equal(direct, traced, "hidden states")
+    assert_bitwise_equal(lp, lp_traced, "per_token_logps")
+
+
 def test_body_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="body must be one of"):
         dt.patch(body="fast")

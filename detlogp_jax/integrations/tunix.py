@@ -20,6 +20,20 @@ mesh), with no [B, L, V] intermediate:
 * `patch()` / `unpatch()`: route a Tunix RL learner (actor, reference and old/rollout
   logprobs: every caller of `tunix.rl.common.compute_per_token_logps`) and the vanilla
   sampler (`tunix.generate.sampler.Sampler`) through the functions above.
+* `patch(body="batch_invariant", body_backend="auto")`: also run the models' transformer body
+  on the project's batch-invariant ops (`detlogp_jax.body`; the model classes' attention, MLP
+  and norm methods, `detlogp_jax.integrations.tunix_body`). The op head makes the logprob a
+  function of the final hidden state only; the body makes that hidden state a function of the
+  token's own sequence only. Together: the logprob the patched sampler records for a
+  generated token (prefill or decode step, any batch, prompt padding or cache length) equals,
+  bit for bit, the trainer's `per_token_logps` of the same (prompt, completion) in a batch of
+  another size, order and padding. Each sequence's first real cache slot (``kv_start``) and
+  its positions are read from Tunix's attention mask and cache slot; padding queries run at
+  position -1 (+0 out, never NaN); Tunix's KV cache is used in its own layout. Covered:
+  Qwen3 (dense), Qwen2, Llama3; Gemma3 (sliding-window layers), a Qwen3 with experts, LoRA
+  and packed sequences are refused. The body ops' backward is their plain jnp formula (the
+  learner differentiates through them; gradients are not bitwise invariant). Validated on one
+  device: a body whose weights are sharded over a mesh runs as XLA partitions it.
 
 How the hidden states are obtained: the model's own ``__call__`` runs with its lm_head
 replaced, for that call only and on a merged copy of the model, by an identity (the untied
@@ -241,20 +255,32 @@ def _hidden_states(model, head: _Head, input_tokens, kwargs):
     return out.astype(probe.dtype), cache  # exact: an identity, or Qwen's float32 cast of it
 
 
-@functools.partial(jax.jit, static_argnames=("body",))
-def _jit_hidden_states(graphdef, state, input_tokens, kwargs, *, body):
-    """`_hidden_states` under jit (inlined when the caller is traced already); `body` (the
-    patched body and its backend) keys the trace: the body's classes read it at trace time."""
+@functools.partial(jax.jit, static_argnames=("static", "body"))
+def _jit_hidden_states_impl(graphdef, state, input_tokens, kwargs, *, static, body):
     model = nnx.merge(graphdef, state)
-    return _hidden_states(model, _head(model), input_tokens, kwargs)
+    return _hidden_states(model, _head(model), input_tokens, {**kwargs, **dict(static)})
+
+
+def _jit_hidden_states(model, input_tokens, kwargs, body):
+    """`_hidden_states` under jit (inlined when the caller is traced already): Python scalars
+    among the model's keywords (flags) are static; `body` (the patched body and its backend)
+    keys the trace, since the body's classes read it at trace time."""
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))))
+    arrays = {k: v for k, v in kwargs.items() if not isinstance(v, (bool, int, float, str))}
+    return _jit_hidden_states_impl(*nnx.split(model), input_tokens, arrays, static=static, body=body)
 
 
 def hidden_states(model, input_tokens, **model_kwargs):
     """(final hidden states [B, L, D], new cache) of a Tunix model: its own ``__call__``
     (``positions=``, ``cache=``, ``attention_mask=``, ...) with the lm_head replaced by an
     identity, so no logits are computed. The hidden states are exactly what the head would have
-    received (the output of the final norm, in its dtype)."""
+    received (the output of the final norm, in its dtype). While `patch(body=...)` is active the
+    model is checked against the body's coverage and the forward runs compiled (as
+    `per_token_logps`)."""
     model = _fresh(model)
+    if _active_body() is not None:
+        _check_body(model)
+        return _jit_hidden_states(model, input_tokens, model_kwargs, _active_body())
     return _hidden_states(model, _head(model), input_tokens, model_kwargs)
 
 
@@ -494,7 +520,7 @@ def per_token_logps(
     if images is not None:
         kwargs["images"] = images
     if _active_body() is not None:  # compiled, as the sampler's steps are (eager RoPE rounds otherwise)
-        hidden, _ = _jit_hidden_states(*nnx.split(model), input_tokens, kwargs, body=_active_body())
+        hidden, _ = _jit_hidden_states(model, input_tokens, kwargs, _active_body())
     else:
         hidden, _ = _hidden_states(model, head, input_tokens, kwargs)
 

@@ -17,8 +17,10 @@ restored by `unpatch()`):
   (every norm: the layers', Qwen3's q/k norms, the final norm).
 
 Embedding lookups, RoPE, the SiLU gate and the residual adds stay Tunix's own (element-wise:
-a row's bytes never depend on the batch). The head is not part of the body: the integration's
-`linear_logp` head computes the logits and logprobs.
+a row's bytes never depend on the batch, within compiled programs; eager RoPE rounds otherwise
+than its compiled form, so the integration's `per_token_logps` compiles its forward while the
+body is patched, as the sampler's steps are compiled). The head is not part of the body: the
+integration's `linear_logp` head computes the logits and logprobs.
 
 Positions, padding and the cache (the part `body.attention` needs to be told). Tunix left-pads
 prompts and right-pads completions, and hands each layer an attention mask [B, T, S] (causal
@@ -29,7 +31,8 @@ mask and the cache's slot, never from the batch's shape:
 * the key mask of sequence b is the mask's last query row (a query attends every real key up
   to its own slot, and the last query is the latest slot); ``kv_start[b]`` is its first real
   slot, so cache slot s holds position s - kv_start[b] whatever the prompt padding;
-* query t sits at slot ``end_index + t`` (0 + t without a cache); a query whose own key is
+* query t sits at slot ``end_index + t`` (0 + t without a cache; the cache must not wrap
+  around, which Tunix's vanilla sampler ensures by refusing more steps than slots); a query whose own key is
   masked (a pad token: left padding, right padding after the completion, a finished row's
   filler) gets position -1 and `body.attention` returns +0 for it (finite, never NaN, so
   Tunix's masks multiply finite numbers); a real query gets position ``slot - kv_start[b]``.
@@ -49,6 +52,10 @@ backward is the VJP of the same function written in plain jnp (einsum, RMSNorm i
 softmax attention over the same keys; padding queries get zero cotangents, never NaN). So a
 learner differentiates through the patched body; its gradients are the usual float results,
 not bitwise invariant (only the forward logprobs are the contract).
+
+The body is validated on one device (the sampler and the trainer each unsharded); on a mesh
+whose sharding splits the body's weights, the ops run as XLA partitions them, which this module
+does not claim to keep invariant.
 
 Covered: Qwen3 (dense: no experts), Qwen2, Llama3. Refused (`UnsupportedModelError` from the
 integration's paths, and from the patched block for a Qwen3 MoE): Gemma3 (sliding-window local
