@@ -84,6 +84,7 @@ __all__ = [
     "EXPECTED_SIGNATURES",
     "REFUSED",
     "UnsupportedModelError",
+    "attention_layout",
     "check_model",
     "replacements",
 ]
