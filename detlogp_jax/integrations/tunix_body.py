@@ -47,11 +47,11 @@ A pad id between two real tokens (a sampled pad id) is outside it: Tunix masks t
 the body keeps it (Tunix's own sampler and trainer already give such a sequence different
 positions). Packed sequences (segment ids without an attention mask) are refused.
 
-Gradients: each body op is a `jax.custom_vjp` whose forward is the invariant op and whose
-backward is the VJP of the same function written in plain jnp (einsum, RMSNorm in f32, masked
-softmax attention over the same keys; padding queries get zero cotangents, never NaN). So a
-learner differentiates through the patched body; its gradients are the usual float results,
-not bitwise invariant (only the forward logprobs are the contract).
+Gradients: the body ops' backward is the plain formulation's (`body.einsum` / `body.rms_norm`:
+XLA's; attention: here, the VJP of the same masked softmax in plain jnp, in which padding
+queries get zero cotangents, never NaN). So a learner differentiates through the patched body;
+its gradients are the usual float results, not bitwise invariant (only the forward logprobs
+are the contract).
 
 The body is validated on one device (the sampler and the trainer each unsharded); on a mesh
 whose sharding splits the body's weights, the ops run as XLA partitions them, which this module
@@ -151,55 +151,15 @@ EXPECTED_SIGNATURES = (
 )
 
 
-# --- the body ops: invariant forward, plain-jnp backward -----------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _einsum(spec: str, x, w, backend: str):
-    return body_ops.einsum(spec, x, w, backend=backend)
-
-
-def _einsum_fwd(spec, x, w, backend):
-    return _einsum(spec, x, w, backend), (x, w)
-
-
-def _einsum_bwd(spec, backend, res, ct):
-    x, w = res
-    _, vjp = jax.vjp(lambda x, w: jnp.einsum(spec, x, w).astype(x.dtype), x, w)
-    return vjp(ct)
-
-
-_einsum.defvjp(_einsum_fwd, _einsum_bwd)
-
-
-def _plain_rms_norm(x, scale, eps, out_dtype):
-    xf = x.astype(F32)
-    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    return (xf * lax.rsqrt(ms + eps) * scale.astype(F32)).astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm(x, scale, eps: float, out_dtype):
-    return body_ops.rms_norm(x, scale, eps, out_dtype=out_dtype)
-
-
-def _rms_norm_fwd(x, scale, eps, out_dtype):
-    return _rms_norm(x, scale, eps, out_dtype), (x, scale)
-
-
-def _rms_norm_bwd(eps, out_dtype, res, ct):
-    x, scale = res
-    _, vjp = jax.vjp(lambda x, s: _plain_rms_norm(x, s, eps, out_dtype), x, scale)
-    return vjp(ct)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+# --- attention with a padding-safe backward ------------------------------------------------
 
 
 def _plain_attention(q, k, v, q_pos, kv_start, scale):
     """The function `body.attention` computes, in plain jnp (for the backward): causal GQA of
     q [B, T, Hq, Dh] over k, v [B, S, Hkv, Dh], slot s holding position s - kv_start; a query
-    with no key (position < 0) gives 0 with zero gradients (no NaN)."""
+    with no key (position < 0) gives 0 with zero gradients. (`body.attention`'s own backward
+    differentiates its "xla" lane, whose softmax over no key is NaN: the value cotangent of a
+    batch with padding queries, which every Tunix batch has, would be NaN.)"""
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
@@ -219,6 +179,7 @@ def _plain_attention(q, k, v, q_pos, kv_start, scale):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, q_pos, kv_start, scale: float, backend: str):
+    """`body.attention` (the invariant forward) with `_plain_attention`'s backward."""
     return body_ops.attention(
         q, k, v, q_positions=q_pos, kv_start=kv_start, scale=scale, out_dtype=v.dtype, backend=backend
     )
@@ -246,7 +207,7 @@ def _proj(einsum_module, x, backend: str):
     w = einsum_module.w[...]
     dt = getattr(einsum_module, "dtype", None)
     dt = jnp.promote_types(x.dtype, w.dtype) if dt is None else jnp.dtype(dt)
-    return _einsum(einsum_module.einsum_str, x.astype(dt), w.astype(dt), backend)
+    return body_ops.einsum(einsum_module.einsum_str, x.astype(dt), w.astype(dt), backend=backend)
 
 
 def _linear(layer: nnx.Linear, x, backend: str):
@@ -255,7 +216,7 @@ def _linear(layer: nnx.Linear, x, backend: str):
     kernel = layer.kernel[...]
     bias = layer.bias[...] if layer.bias is not None else None
     x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
-    y = _einsum("...k,kn->...n", x, kernel, backend)
+    y = body_ops.einsum("...k,kn->...n", x, kernel, backend=backend)
     if bias is not None:
         y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
@@ -393,7 +354,7 @@ def _rms_norm_call(family: _Family):
     def __call__(self, x):
         """Tunix 0.1.7 ``RMSNorm`` on `body.rms_norm` (same scale, epsilon and output dtype)."""
         out = jnp.dtype(self.dtype) if family.rmsnorm == "module_dtype" else jnp.dtype(x.dtype)
-        return _rms_norm(x, self.w[...], float(self.norm_eps), out)
+        return body_ops.rms_norm(x, self.w[...], float(self.norm_eps), out_dtype=out)
 
     return __call__
 
