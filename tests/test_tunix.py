@@ -20,11 +20,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.generate import sampler as sampler_lib  # noqa: E402
+from tunix.models.qwen3 import model as tunix_qwen3  # noqa: E402
 from tunix.rl import algo_core, common  # noqa: E402
 
+import detlogp_jax  # noqa: E402
 from detlogp_jax import fingerprint as fp_lib  # noqa: E402
+from detlogp_jax.body import backends as body_backends  # noqa: E402
 from detlogp_jax.integrations import tunix as dt  # noqa: E402
-from tests.helpers import ROOT, assert_bitwise_equal  # noqa: E402
+from tests.helpers import ROOT, assert_bitwise_equal, row_mismatches  # noqa: E402
 from tests.tunix_models import EOS, PAD, V, WordTokenizer, batch, make_model  # noqa: E402
 
 TOL = 2e-5
@@ -437,9 +440,11 @@ def test_patched_compute_per_token_logps_is_a_drop_in():
     assert_bitwise_equal(got_lp, got, "return_logits does not change the logp bytes")
 
 
-def test_grpo_steps_under_patch(monkeypatch):
+@pytest.mark.parametrize("body", [None, "batch_invariant"], ids=["tunix-body", "invariant-body"])
+def test_grpo_steps_under_patch(monkeypatch, body):
     """A few GRPO steps of a tiny Qwen3 with Tunix's RLCluster + GRPOLearner (vanilla rollout with
-    logprobs, reference model, KL) under patch(): every logprob goes through the op and the loss moves."""
+    logprobs, reference model, KL) under patch(): every logprob goes through the op and the loss moves
+    (with body="batch_invariant" too: rollout, reference / old logps and the differentiated loss)."""
     import optax
     from jax.interpreters import pxla
     from tunix.rl import rl_cluster as rl_lib
@@ -475,7 +480,7 @@ def test_grpo_steps_under_patch(monkeypatch):
     def reward(prompts, completions, **kw):
         return [float(len(c)) for c in completions]
 
-    with dt.patch():
+    with dt.patch(body=body):
         cluster = rl_lib.RLCluster(actor=actor, reference=ref, tokenizer=WordTokenizer(), cluster_config=cc)
         learner = grpo_lib.GRPOLearner(
             rl_cluster=cluster,
@@ -606,3 +611,254 @@ def test_grpo_loss_without_BLV_under_entropy_none():
             np.testing.assert_allclose(np.asarray(a), np.asarray(g), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="residuals"):
         dt.patch(residuals="sometimes")
+
+
+# --- the batch-invariant body (patch(body="batch_invariant")) -------------------------------
+
+BODY_PROMPTS = ["w5 w6 w7", "w9 w10", "w11 w12 w13 w14 w15", "w20"]  # with BOS: 4, 3, 6, 2 tokens
+BODY_STEPS, BODY_T = 6, 0.7
+BODY_CACHE = 72  # > 64 slots: the sampler's cache spans two of body.attention's KV blocks, the trainer's one
+
+
+def _body_sampler(model):
+    cfg = model.config
+    return sampler_lib.Sampler(
+        model,
+        WordTokenizer(),
+        sampler_lib.CacheConfig(
+            cache_size=BODY_CACHE, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        ),
+    )
+
+
+def _body_rollout(model, seed=3, sampler=None):
+    """Tunix's vanilla Sampler (patched), a batch of 4 prompts of different lengths left-padded to 8:
+    (prompts, completions, recorded logprobs), each cut at EOS (Tunix's own cut) and at a sampled pad id
+    (after which Tunix's sampler and trainer positions differ by design)."""
+    s = _body_sampler(model) if sampler is None else sampler
+    out = s(
+        BODY_PROMPTS,
+        max_generation_steps=BODY_STEPS,
+        max_prompt_length=8,
+        temperature=BODY_T,
+        top_p=1.0,
+        seed=seed,
+        return_logprobs=True,
+    )
+    lengths = [int(np.argmax(np.r_[t, PAD] == PAD)) for t in out.tokens]
+    prompts = [np.asarray(p)[np.asarray(p) != PAD].astype(np.int32) for p in out.padded_prompt_tokens]
+    comps = [np.asarray(t[:n], np.int32) for t, n in zip(out.tokens, lengths)]
+    logps = [np.asarray(lp[:n], np.float32) for lp, n in zip(out.logprobs, lengths)]
+    return prompts, comps, logps
+
+
+def _trainer_batch(prompts, comps, order, p_width, c_width, fillers=0, seed=0):
+    """The sequences `order` (after `fillers` random others) left-padded to p_width and right-padded to
+    c_width: (prompt [B, p_width], completion [B, c_width], the batch row of each sequence)."""
+    rng = np.random.default_rng(seed)
+    b = fillers + len(order)
+    prompt = np.full((b, p_width), PAD, np.int32)
+    comp = np.full((b, c_width), PAD, np.int32)
+    for r in range(fillers):
+        n = 1 + r % p_width
+        prompt[r, p_width - n :] = rng.integers(3, V, n)
+        comp[r, : c_width - r % 2] = rng.integers(3, V, c_width - r % 2)
+    rows = {}
+    for r, i in enumerate(order, start=fillers):
+        prompt[r, p_width - len(prompts[i]) :] = prompts[i]
+        comp[r, : len(comps[i])] = comps[i]
+        rows[i] = r
+    return prompt, comp, rows
+
+
+def _bit_compare(recorded, train, rows):
+    """(tokens whose float32 bits differ, how many tokens, K3): the sampler's recorded logprob of every
+    generated token vs the trainer's of the same token; K3 = mean((r - 1) - log r), r = p_train / p_roll."""
+    a = np.concatenate([recorded[i] for i in rows])
+    b = np.concatenate([np.asarray(train, np.float32)[r, : len(recorded[i])] for i, r in rows.items()])
+    mismatches = int(np.sum(a.view(np.uint32) != b.view(np.uint32)))
+    d = b.astype(np.float64) - a.astype(np.float64)
+    return mismatches, a.size, float(np.mean(np.expm1(d) - d))
+
+
+BODY_MODELS = [("qwen3", False, None), ("qwen3", False, "bfloat16"), ("llama3", True, None), ("qwen2", True, None)]
+
+
+@pytest.mark.parametrize(
+    "kind,tied,dtype", BODY_MODELS, ids=[f"{k}-{'tied' if t else 'untied'}-{d or 'float32'}" for k, t, d in BODY_MODELS]
+)
+def test_body_rollout_logps_equal_trainer_logps_bit_for_bit(kind, tied, dtype, record_property):
+    """patch(body="batch_invariant") under strict mode (invariant backends only, no fallback): every token
+    the vanilla Sampler generates (prefill and decode steps, 4 prompts padded to 8 slots, a 72-slot cache)
+    has, bit for bit, the logprob the trainer gives the same (prompt, completion) in other batches: the
+    learners' jitted compute_per_token_logps on 6 rows in another order with two other sequences and wider
+    padding, and per_token_logps called directly on 2 rows with no padding but the shorter prompt's."""
+    kw = {"dtype": jnp.dtype(dtype)} if dtype else {}
+    model = make_model(kind, tied, **kw)
+    with detlogp_jax.strict_mode(), dt.patch(body="batch_invariant"):
+        prompts, comps, recorded = _body_rollout(model)
+        assert all(len(c) >= 4 for c in comps), [len(c) for c in comps]
+        prompt, comp, rows = _trainer_batch(prompts, comps, [2, 0, 3, 1], p_width=11, c_width=BODY_STEPS + 3, fillers=2)
+        train = tunix_logps(model, prompt, comp, temperature=BODY_T)  # the learners' entry (jitted)
+        prompt2, comp2, rows2 = _trainer_batch(prompts, comps, [3, 1], p_width=3, c_width=BODY_STEPS)
+        train2 = dt.per_token_logps(model, prompt2, comp2, pad_id=PAD, eos_id=EOS, temperature=BODY_T)
+    for name, got, where in (("6 rows", train, rows), ("2 rows", train2, rows2)):
+        mismatches, n, k3 = _bit_compare(recorded, got, where)
+        record_property(f"{name}: mismatching tokens", f"{mismatches}/{n}")
+        print(
+            f"{kind} {dtype or 'float32'} body=batch_invariant, trainer {name}: {mismatches}/{n} tokens differ, K3={k3}"
+        )
+        assert mismatches == 0 and k3 == 0.0, (name, mismatches, n, k3)
+
+
+def test_without_the_body_patch_the_same_comparison_drifts(monkeypatch, record_property):
+    """The negative control: the same rollout and trainer batches with Tunix's own body (patch() with
+    body=None: the op head, Tunix's einsums / softmax / norms) give other bytes; the final hidden states
+    of the sampler and of the trainer already differ (the drift is the body's, not the head's). The same
+    Sampler then patched with the body compiles its steps anew (its compiled steps are keyed by the body)."""
+    model = make_model("qwen3", False)
+    s = _body_sampler(model)
+    seen = []  # the sampler's final hidden states, per step
+    real = dt.token_logps
+
+    def spy(m, hidden, tokens, **kw):
+        jax.debug.callback(lambda h: seen.append(np.asarray(h)), hidden, ordered=True)
+        return real(m, hidden, tokens, **kw)
+
+    monkeypatch.setattr(dt, "token_logps", spy)
+    with dt.patch():
+        prompts, comps, recorded = _body_rollout(model, sampler=s)
+        prompt, comp, rows = _trainer_batch(prompts, comps, [2, 0, 3, 1], p_width=11, c_width=BODY_STEPS + 3, fillers=2)
+        train = tunix_logps(model, prompt, comp, temperature=BODY_T)
+        ids, positions, mask, seg = common.process_ids(jnp.asarray(prompt), jnp.asarray(comp), PAD, EOS)
+        h_train, _ = jax.jit(
+            lambda ids, positions, mask, seg: dt.hidden_states(
+                model, ids, positions=positions, cache=None, attention_mask=mask, segment_ids=seg
+            )
+        )(ids, positions, mask, seg)
+    mismatches, n, k3 = _bit_compare(recorded, train, rows)
+    h_roll = np.stack(seen[:BODY_STEPS], 1)  # [4, steps, D]
+    h_train = np.asarray(h_train)[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + BODY_STEPS]
+    hidden_rows = sum(
+        row_mismatches(h_train[r, : len(comps[i])], h_roll[i, : len(comps[i])])[0] for i, r in rows.items()
+    )
+    record_property("mismatching tokens", f"{mismatches}/{n}")
+    record_property("mismatching hidden-state rows", hidden_rows)
+    print(f"qwen3 body=None: {mismatches}/{n} tokens differ (K3={k3:.3g}); {hidden_rows}/{n} hidden-state rows differ")
+    assert hidden_rows > 0
+    assert mismatches > 0
+    monkeypatch.setattr(dt, "token_logps", real)
+    with dt.patch(body="batch_invariant"):
+        _, comps_body, recorded_body = _body_rollout(model, sampler=s)
+    assert {key[2] for key in s.__dict__["_detlogp_compiled"]} == {(None, "auto"), ("batch_invariant", "auto")}
+    assert any(
+        (a.view(np.uint32) != b.view(np.uint32)).any() for a, b in zip(recorded_body, recorded) if a.size == b.size
+    )  # the body's bytes, not a cached trace of Tunix's body
+
+
+def test_body_backward_is_finite_and_close_to_tunix():
+    """The body ops' custom VJPs (plain jnp backward) make the patched learner forward differentiable:
+    the gradient of a masked logprob sum (left-padded prompts, right-padded completions: padding rows
+    present) is finite and close to Tunix's own body's."""
+    model = make_model("qwen3", False, layers=1)
+    prompt, comp = batch(seed=6)
+    mask = jnp.asarray(comp != PAD, jnp.float32)
+    gd, st = nnx.split(model)
+
+    def loss(st):
+        lp = dt.per_token_logps(nnx.merge(gd, st), prompt, comp, pad_id=PAD, eos_id=EOS, temperature=0.7)
+        return jnp.sum(lp * mask)
+
+    want = jax.grad(loss)(st)
+    with dt.patch(body="batch_invariant"):
+        got = jax.jit(jax.grad(loss))(st)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(a).all(), jax.tree_util.keystr(path)
+        assert np.abs(a - b).max() <= 1e-4 * max(np.abs(b).max(), 1.0), jax.tree_util.keystr(path)
+
+
+def test_body_hidden_states_called_directly_or_under_jit():
+    """While the body is patched, hidden_states / per_token_logps compile their forward (with Python
+    flags such as output_hidden_states static): a direct call gives the bytes of a call inside a jit."""
+    model = make_model("qwen3", False, layers=1)
+    prompt, comp = batch(seed=3)
+    ids, positions, mask, _ = common.process_ids(jnp.asarray(prompt), jnp.asarray(comp), PAD, EOS)
+    kw = dict(positions=positions, cache=None, attention_mask=mask)
+    with dt.patch(body="batch_invariant"):
+        direct, _ = dt.hidden_states(model, ids, output_hidden_states=True, **kw)
+        traced, _ = jax.jit(lambda ids, kw: dt.hidden_states(model, ids, **kw))(ids, kw)
+        lp = dt.per_token_logps(model, prompt, comp, pad_id=PAD, eos_id=EOS)
+        lp_traced = jax.jit(lambda p, c: dt.per_token_logps(model, p, c, pad_id=PAD, eos_id=EOS))(prompt, comp)
+    assert_bitwise_equal(direct, traced, "hidden states")
+    assert_bitwise_equal(lp, lp_traced, "per_token_logps")
+
+
+def test_body_refuses_what_it_does_not_cover():
+    with pytest.raises(ValueError, match="body must be one of"):
+        dt.patch(body="fast")
+    with pytest.raises(ValueError, match="body_backend must be 'auto' or a registered body backend"):
+        dt.patch(body="batch_invariant", body_backend="cuda")
+    assert not dt.is_patched()
+    prompt, comp = batch(seed=1)
+    qwen3 = make_model("qwen3", False, layers=1)
+    moe = tunix_qwen3.Qwen3(dataclasses.replace(qwen3.config, num_experts=2, num_experts_per_tok=1), rngs=nnx.Rngs(0))
+    gemma3 = make_model("gemma3", True, layers=1)
+    with dt.patch(body="batch_invariant"):
+        with pytest.raises(dt.UnsupportedModelError, match=r"does not cover Gemma3: .*sliding-window.*covered: Qwen3"):
+            dt.per_token_logps(gemma3, prompt, comp, pad_id=PAD, eos_id=EOS)
+        with pytest.raises(dt.UnsupportedModelError, match="does not cover Gemma3"):  # the sampler's steps too
+            _sampler(gemma3)(PROMPTS, max_generation_steps=2, max_prompt_length=4)
+        with pytest.raises(dt.UnsupportedModelError, match="Qwen3 with experts"):
+            dt.per_token_logps(moe, prompt, comp, pad_id=PAD, eos_id=EOS)
+        with pytest.raises(dt.UnsupportedModelError, match="Qwen3 with experts"):  # the patched block itself
+            ids, positions, mask, _ = common.process_ids(jnp.asarray(prompt), jnp.asarray(comp), PAD, EOS)
+            moe(ids, positions, None, mask)
+        seg = jnp.ones(comp.shape, jnp.int32)
+        with pytest.raises(NotImplementedError, match="packed sequences"):
+            dt.per_token_logps(
+                qwen3, prompt[:, :0], comp, pad_id=PAD, eos_id=EOS, segment_ids=seg, segment_positions=seg
+            )
+    # strict mode: the body's backend must be invariant and serve without a fallback
+    with detlogp_jax.strict_mode():
+        with dt.patch(body="batch_invariant", body_backend="xla"):
+            with pytest.raises(detlogp_jax.StrictModeError, match="'xla' is not batch invariant"):
+                dt.per_token_logps(qwen3, prompt, comp, pad_id=PAD, eos_id=EOS)
+        if not body_backends.get("pallas_sm90").available():  # here: CPU
+            with dt.patch(body="batch_invariant", body_backend="pallas_sm90"):
+                with pytest.raises(detlogp_jax.StrictModeError, match="strict mode forbids falling back"):
+                    dt.per_token_logps(qwen3, prompt, comp, pad_id=PAD, eos_id=EOS)
+    if not body_backends.get("pallas_sm90").available():  # an explicit backend never falls back either
+        with dt.patch(body="batch_invariant", body_backend="pallas_sm90"):
+            with pytest.raises(detlogp_jax.BackendUnavailableError, match="'pallas_sm90' is not available"):
+                dt.per_token_logps(qwen3, prompt, comp, pad_id=PAD, eos_id=EOS)
+
+
+def test_body_patch_replaces_and_restores_the_model_classes():
+    from tunix.models.gemma3 import model as gemma3_mod
+    from tunix.models.llama3 import model as llama3_mod
+    from tunix.models.qwen2 import model as qwen2_mod
+
+    slots = [
+        (cls, name)
+        for mod in (tunix_qwen3, qwen2_mod, llama3_mod)
+        for cls, name in ((mod.Attention, "block"), (mod.MLP, "block"), (mod.RMSNorm, "__call__"))
+    ]
+    untouched = [(gemma3_mod.Attention, "block"), (gemma3_mod.RMSNorm, "__call__")]
+    before = {slot: vars(slot[0])[slot[1]] for slot in slots + untouched}
+    with dt.patch():  # body=None (the default): the model classes are Tunix's
+        assert all(vars(c)[n] is before[(c, n)] for c, n in slots)
+    h = dt.patch(body="batch_invariant")
+    assert h.owner and h.config.body == "batch_invariant" and h.config.body_backend == "auto"
+    assert all(vars(c)[n] is not before[(c, n)] for c, n in slots)
+    assert all(vars(c)[n] is before[(c, n)] for c, n in untouched)
+    assert not dt.patch(body="batch_invariant").owner  # idempotent
+    with pytest.raises(RuntimeError, match="already patched"):
+        dt.patch()  # another body
+    with pytest.raises(RuntimeError, match="already patched"):
+        dt.patch(body="batch_invariant", body_backend="reference")
+    assert dt.unpatch() is True
+    assert all(vars(c)[n] is before[(c, n)] for c, n in slots + untouched)
+    with dt.patch(body="batch_invariant", body_backend="reference"):
+        pass
+    assert not dt.is_patched() and all(vars(c)[n] is before[(c, n)] for c, n in slots)

@@ -20,6 +20,20 @@ mesh), with no [B, L, V] intermediate:
 * `patch()` / `unpatch()`: route a Tunix RL learner (actor, reference and old/rollout
   logprobs: every caller of `tunix.rl.common.compute_per_token_logps`) and the vanilla
   sampler (`tunix.generate.sampler.Sampler`) through the functions above.
+* `patch(body="batch_invariant", body_backend="auto")`: also run the models' transformer body
+  on the project's batch-invariant ops (`detlogp_jax.body`; the model classes' attention, MLP
+  and norm methods, `detlogp_jax.integrations.tunix_body`). The op head makes the logprob a
+  function of the final hidden state only; the body makes that hidden state a function of the
+  token's own sequence only. Together: the logprob the patched sampler records for a
+  generated token (prefill or decode step, any batch, prompt padding or cache length) equals,
+  bit for bit, the trainer's `per_token_logps` of the same (prompt, completion) in a batch of
+  another size, order and padding. Each sequence's first real cache slot (``kv_start``) and
+  its positions are read from Tunix's attention mask and cache slot; padding queries run at
+  position -1 (+0 out, never NaN); Tunix's KV cache is used in its own layout. Covered:
+  Qwen3 (dense), Qwen2, Llama3; Gemma3 (sliding-window layers), a Qwen3 with experts, LoRA
+  and packed sequences are refused. The body ops' backward is their plain jnp formula (the
+  learner differentiates through them; gradients are not bitwise invariant). Validated on one
+  device: a body whose weights are sharded over a mesh runs as XLA partitions it.
 
 How the hidden states are obtained: the model's own ``__call__`` runs with its lm_head
 replaced, for that call only and on a merged copy of the model, by an identity (the untied
@@ -55,9 +69,13 @@ from flax import nnx
 from detlogp_jax import api, inputs, plugins
 from detlogp_jax import contract as C
 from detlogp_jax import fingerprint as fp_lib
+from detlogp_jax.body import backends as body_backends
+from detlogp_jax.integrations import tunix_body
+from detlogp_jax.integrations.tunix_body import UnsupportedModelError
 
 __all__ = [
     "ADAPTERS",
+    "BODIES",
     "SUPPORTED_TUNIX_VERSIONS",
     "ModelAdapter",
     "OpOptions",
@@ -84,10 +102,7 @@ __all__ = [
 
 # Tunix versions whose replaced functions this module mirrors (checked by `patch()`).
 SUPPORTED_TUNIX_VERSIONS = ("0.1.7",)
-
-
-class UnsupportedModelError(TypeError):
-    """The model is not a Tunix class this integration knows, or its head cannot be read."""
+BODIES = tunix_body.BODIES  # patch(body=...): None (Tunix's own body) or "batch_invariant"
 
 
 class TunixVersionError(RuntimeError):
@@ -240,12 +255,32 @@ def _hidden_states(model, head: _Head, input_tokens, kwargs):
     return out.astype(probe.dtype), cache  # exact: an identity, or Qwen's float32 cast of it
 
 
+@functools.partial(jax.jit, static_argnames=("static", "body"))
+def _jit_hidden_states_impl(graphdef, state, input_tokens, kwargs, *, static, body):
+    model = nnx.merge(graphdef, state)
+    return _hidden_states(model, _head(model), input_tokens, {**kwargs, **dict(static)})
+
+
+def _jit_hidden_states(model, input_tokens, kwargs, body):
+    """`_hidden_states` under jit (inlined when the caller is traced already): Python scalars
+    among the model's keywords (flags) are static; `body` (the patched body and its backend)
+    keys the trace, since the body's classes read it at trace time."""
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))))
+    arrays = {k: v for k, v in kwargs.items() if not isinstance(v, (bool, int, float, str))}
+    return _jit_hidden_states_impl(*nnx.split(model), input_tokens, arrays, static=static, body=body)
+
+
 def hidden_states(model, input_tokens, **model_kwargs):
     """(final hidden states [B, L, D], new cache) of a Tunix model: its own ``__call__``
     (``positions=``, ``cache=``, ``attention_mask=``, ...) with the lm_head replaced by an
     identity, so no logits are computed. The hidden states are exactly what the head would have
-    received (the output of the final norm, in its dtype)."""
+    received (the output of the final norm, in its dtype). While `patch(body=...)` is active the
+    model is checked against the body's coverage and the forward runs compiled (as
+    `per_token_logps`)."""
     model = _fresh(model)
+    if _active_body() is not None:
+        _check_body(model)
+        return _jit_hidden_states(model, input_tokens, model_kwargs, _active_body())
     return _hidden_states(model, _head(model), input_tokens, model_kwargs)
 
 
@@ -459,6 +494,13 @@ def per_token_logps(
     model = _fresh(model)
     head = _head(model)
     packed = segment_ids is not None
+    if _active_body() is not None:
+        _check_body(model)
+        if packed:
+            raise NotImplementedError(
+                "patch(body='batch_invariant') does not cover packed sequences (segment_ids / segment_positions): "
+                "body.attention attends one sequence per row, from its first real slot"
+            )
     input_tokens, positions, attn_mask, input_seg_ids = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions
     )
@@ -477,7 +519,10 @@ def per_token_logps(
             kwargs["segment_ids"] = input_seg_ids
     if images is not None:
         kwargs["images"] = images
-    hidden, _ = _hidden_states(model, head, input_tokens, kwargs)
+    if _active_body() is not None:  # compiled, as the sampler's steps are (eager RoPE rounds otherwise)
+        hidden, _ = _jit_hidden_states(model, input_tokens, kwargs, _active_body())
+    else:
+        hidden, _ = _hidden_states(model, head, input_tokens, kwargs)
 
     keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
     h = hidden[:, hidden.shape[1] - keep - 1 : hidden.shape[1] - 1]
@@ -680,6 +725,8 @@ def _op_prefill_fn(self, params, sampler_state, images=None, echo=True, *, opts:
 
     transformer = nnx.merge(self._transformer_graphdef, params)
     head = _head(transformer)
+    if _active_body() is not None:
+        _check_body(transformer)
     kwargs = {} if images is None else {"images": images}
     decode_only_last_token = self._supports_decode_only_last_token and not echo
     if decode_only_last_token:
@@ -716,6 +763,8 @@ def _op_sample_step(self, params, sampler_state, *, opts: OpOptions):
     attention_mask = utils.compute_attention_masks(decoding_step, self.cache_config.cache_size, input_mask)
     transformer = nnx.merge(self._transformer_graphdef, params)
     head = _head(transformer)
+    if _active_body() is not None:
+        _check_body(transformer)
     hidden, cache = _hidden_states(
         transformer,
         head,
@@ -771,17 +820,17 @@ def _build_decode(sampler, opts: OpOptions):
 class _CompiledRoute:
     """A data descriptor on `Sampler` for `_compiled_prefill_fn` / `_compiled_decode_fn` while
     patched: every Sampler, made before or after `patch()`, gets this module's jitted step
-    (built once per sampler and options). Tunix's own compiled functions, which `__init__`
-    assigns, stay in the instance and serve again after `unpatch()`."""
+    (built once per sampler, options and body). Tunix's own compiled functions, which
+    `__init__` assigns, stay in the instance and serve again after `unpatch()`."""
 
-    def __init__(self, name: str, build, opts: OpOptions):
-        self.name, self.build, self.opts = name, build, opts
+    def __init__(self, name: str, build, opts: OpOptions, body=None):
+        self.name, self.build, self.opts, self.body = name, build, opts, body
 
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
         cache = obj.__dict__.setdefault("_detlogp_compiled", {})
-        key = (self.name, self.opts)
+        key = (self.name, self.opts, self.body)  # the body: traced anew for another body
         if key not in cache:
             cache[key] = self.build(obj, self.opts)
         return cache[key]
@@ -855,9 +904,10 @@ def tunix_version() -> str | None:
         return None
 
 
-def check_tunix(*, allow_unverified_version: bool = False) -> str:
+def check_tunix(*, allow_unverified_version: bool = False, body: str | None = None) -> str:
     """Checks that the installed Tunix is one `patch()` knows: its version (unless
-    `allow_unverified_version`), and the signatures of the functions it replaces or calls.
+    `allow_unverified_version`), and the signatures of the functions it replaces or calls
+    (with `body`, also the model classes' methods the batch-invariant body replaces).
     Returns the version; raises `TunixVersionError` naming what differs."""
     version = tunix_version()
     if version is None:
@@ -869,7 +919,8 @@ def check_tunix(*, allow_unverified_version: bool = False) -> str:
             "(the signatures are still checked)"
         )
     problems = []
-    for module, path, expected in _EXPECTED_SIGNATURES:
+    expected_signatures = _EXPECTED_SIGNATURES + (tunix_body.EXPECTED_SIGNATURES if body else ())
+    for module, path, expected in expected_signatures:
         try:
             fn = _resolve(module, path)
         except (ImportError, AttributeError) as e:
@@ -915,6 +966,21 @@ class _PatchConfig:
     opts: OpOptions
     entropy: str
     sampler: bool
+    body: str | None = None
+    body_backend: str = "auto"
+
+
+def _active_body() -> tuple[str, str] | None:
+    """(body, body_backend) of the active patch when it replaces the model body, else None."""
+    config = _ACTIVE.get("config")
+    if config is None or config.body is None:
+        return None
+    return config.body, config.body_backend
+
+
+def _check_body(model) -> None:
+    """Refuses a model the patched batch-invariant body does not cover (`tunix_body.check_model`)."""
+    tunix_body.check_model(model, adapter_for(model).name)
 
 
 class _Patch(contextlib.AbstractContextManager):
@@ -952,6 +1018,8 @@ def patch(
     sampler: bool = True,
     allow_unverified_version: bool = False,
     residuals: str = "recompute",
+    body: str | None = None,
+    body_backend: str = "auto",
 ):
     """Routes Tunix's logprob computations through `linear_logp`; returns a handle that is
     also a context manager (``with patch(): ...`` unpatches on exit).
@@ -972,6 +1040,26 @@ def patch(
       sampling temperature for top_p, unscaled for greedy, as Tunix records them) and a
       `RolloutRecord` with the head's fingerprint.
 
+    * with body="batch_invariant", the transformer body of Tunix's Qwen3 (dense), Qwen2 and
+      Llama3 classes (``Attention.block``, ``MLP.block``, ``RMSNorm.__call__`` of each model
+      module, `tunix_body.replacements`): projections through `body.einsum` (weights read in
+      place), attention through `body.attention` over the sampler's own KV cache (its layout,
+      its slots; each sequence's ``kv_start`` and positions read from Tunix's attention mask,
+      padding queries at position -1, which give +0), norms through `body.rms_norm`; RoPE,
+      SiLU gates and residual adds stay Tunix's own. So the sampler's prefill and decode steps
+      and the learners' forward (`per_token_logps`) compute every real token's hidden state,
+      hence its logprob, with the same bytes in any batch: the rollout-recorded logprob of a
+      token equals the trainer's `per_token_logps` of the same (prompt, completion) in a batch
+      of another size, order and padding, bit for bit. The backward of each body op is the
+      VJP of its plain jnp formula (differentiable; gradients are not bitwise invariant).
+      Other model classes (Gemma3: sliding-window layers), a Qwen3 with experts, LoRA
+      parameters and packed sequences are refused (`UnsupportedModelError` /
+      NotImplementedError) on the paths above. `body_backend`: the body ops' backend ("auto":
+      the Hopper kernels on an H100/H200, else "reference"; "reference", "pallas_sm90", or
+      "xla", the non-invariant baseline lane), chosen under `detlogp_jax.strict_mode()`,
+      which refuses a non-invariant backend or a fallback (`StrictModeError`) when the body
+      is traced. See `detlogp_jax.integrations.tunix_body` for positions, padding and the cache.
+
     The op options (backend, padded_vocab_size, checked, mesh, tp_axis, row_axes, residuals)
     are `OpOptions`'; residuals="logits" gives the training step's backward three GEMM passes
     instead of four, for O(N * V) FP32 logits kept from the forward.
@@ -981,11 +1069,23 @@ def patch(
     patch(), the op's after, until it retraces), as with any Python-level switch under jit.
 
     Idempotent: patching again with the same options does nothing (its handle does not
-    unpatch); with other options it raises (unpatch() first). Refuses (`TunixVersionError`) a
-    Tunix whose version or replaced functions it does not know.
+    unpatch); with other options (another body included) it raises (unpatch() first).
+    `unpatch()` restores every replaced object, the model classes' methods included. Refuses
+    (`TunixVersionError`) a Tunix whose version or replaced functions it does not know, and
+    (ValueError) an unknown `body` or `body_backend`.
     """
     if entropy not in ("logits", "op", "none"):
         raise ValueError(f"entropy must be 'logits', 'op' or 'none', got {entropy!r}")
+    if body not in BODIES:
+        raise ValueError(
+            f"body must be one of {BODIES} (None: Tunix's own model body; 'batch_invariant': the body on "
+            f"detlogp_jax.body's ops), got {body!r}"
+        )
+    if not isinstance(body_backend, str) or (body_backend != "auto" and body_backend not in body_backends.names()):
+        raise ValueError(
+            f"body_backend must be 'auto' or a registered body backend {list(body_backends.names())}, "
+            f"got {body_backend!r}"
+        )
     opts = OpOptions(
         backend=backend,
         padded_vocab_size=padded_vocab_size,
@@ -995,7 +1095,7 @@ def patch(
         row_axes=tuple(row_axes),
         residuals=residuals,
     )
-    config = _PatchConfig(opts, entropy, bool(sampler))
+    config = _PatchConfig(opts, entropy, bool(sampler), body, body_backend if body else "auto")
     with _LOCK:
         if _ACTIVE:
             if _ACTIVE["config"] == config:
@@ -1003,7 +1103,7 @@ def patch(
             raise RuntimeError(
                 f"detlogp_jax.integrations.tunix is already patched with {_ACTIVE['config']}; unpatch() first"
             )
-        check_tunix(allow_unverified_version=allow_unverified_version)
+        check_tunix(allow_unverified_version=allow_unverified_version, body=body)
         if entropy == "op" and not _accepts(api.linear_logp, "return_entropy"):
             raise NotImplementedError(
                 "patch(entropy='op') needs linear_logp(return_entropy=True), which this detlogp_jax does not have "
@@ -1012,6 +1112,7 @@ def patch(
         from tunix.generate import sampler as sampler_lib
         from tunix.rl import algo_core, common
 
+        body_patches = tunix_body.replacements(body_backend) if body is not None else []  # before any change
         saved = []
 
         def replace(owner, name, value):
@@ -1029,15 +1130,18 @@ def patch(
             )
         if sampler:
             cls = sampler_lib.Sampler
-            replace(cls, "_compiled_prefill_fn", _CompiledRoute("_compiled_prefill_fn", _build_prefill, opts))
-            replace(cls, "_compiled_decode_fn", _CompiledRoute("_compiled_decode_fn", _build_decode, opts))
+            key = (config.body, config.body_backend)
+            replace(cls, "_compiled_prefill_fn", _CompiledRoute("_compiled_prefill_fn", _build_prefill, opts, key))
+            replace(cls, "_compiled_decode_fn", _CompiledRoute("_compiled_decode_fn", _build_decode, opts, key))
+        for owner, name, value in body_patches:
+            replace(owner, name, value)
         _ACTIVE.update(config=config, saved=saved)
         return _Patch(True, config)
 
 
 def unpatch() -> bool:
-    """Restores every Tunix function `patch()` replaced (the original objects). Returns whether
-    anything was patched."""
+    """Restores every Tunix function and model-class method `patch()` replaced (the original
+    objects). Returns whether anything was patched."""
     with _LOCK:
         if not _ACTIVE:
             return False
