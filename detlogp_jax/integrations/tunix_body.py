@@ -47,9 +47,9 @@ A pad id between two real tokens (a sampled pad id) is outside it: Tunix masks t
 the body keeps it (Tunix's own sampler and trainer already give such a sequence different
 positions). Packed sequences (segment ids without an attention mask) are refused.
 
-Gradients: the body ops' backward is the plain formulation's (`body.einsum` / `body.rms_norm`:
-XLA's; attention: here, the VJP of the same masked softmax in plain jnp, in which padding
-queries get zero cotangents, never NaN). So a learner differentiates through the patched body;
+Gradients: the body ops' backward is the plain formulation's (XLA's GEMMs, RMSNorm in jnp, the
+einsum-softmax attention, in which padding queries get zero cotangents, never NaN). So a learner
+differentiates through the patched body;
 its gradients are the usual float results, not bitwise invariant (only the forward logprobs
 are the contract).
 
@@ -67,7 +67,6 @@ LoRA parameters (Qwix intercepts the einsums this body replaces), any other clas
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from typing import Any, Callable
 
@@ -90,7 +89,6 @@ __all__ = [
 ]
 
 BODIES = (None, "batch_invariant")
-F32 = jnp.float32
 
 
 class UnsupportedModelError(TypeError):
@@ -149,53 +147,6 @@ EXPECTED_SIGNATURES = (
     ("tunix.models.llama3.model", "apply_rope", ("inputs", "positions", "head_dim", "rope_theta")),
     ("tunix.models.llama3.model", "shard", ("x", "s")),
 )
-
-
-# --- attention with a padding-safe backward ------------------------------------------------
-
-
-def _plain_attention(q, k, v, q_pos, kv_start, scale):
-    """The function `body.attention` computes, in plain jnp (for the backward): causal GQA of
-    q [B, T, Hq, Dh] over k, v [B, S, Hkv, Dh], slot s holding position s - kv_start; a query
-    with no key (position < 0) gives 0 with zero gradients. (`body.attention`'s own backward
-    differentiates its "xla" lane, whose softmax over no key is NaN: the value cotangent of a
-    batch with padding queries, which every Tunix batch has, would be NaN.)"""
-    b, t, hq, dh = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, dh)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=F32) * jnp.asarray(scale, F32)
-    pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] - kv_start[:, None]  # [B, S]
-    valid = (pos[:, None, :] >= 0) & (pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
-    valid = valid[:, None, None]  # [B, 1, 1, T, S]
-    s = jnp.where(valid, s, 0.0)
-    m = jax.lax.stop_gradient(jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(valid, jnp.exp(s - m), 0.0)
-    den = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(den > 0, den, 1.0)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=F32)
-    return o.reshape(b, t, hq, dh).astype(v.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, q_pos, kv_start, scale: float, backend: str):
-    """`body.attention` (the invariant forward) with `_plain_attention`'s backward."""
-    return body_ops.attention(
-        q, k, v, q_positions=q_pos, kv_start=kv_start, scale=scale, out_dtype=v.dtype, backend=backend
-    )
-
-
-def _attention_fwd(q, k, v, q_pos, kv_start, scale, backend):
-    return _attention(q, k, v, q_pos, kv_start, scale, backend), (q, k, v, q_pos, kv_start)
-
-
-def _attention_bwd(scale, backend, res, ct):
-    q, k, v, q_pos, kv_start = res
-    _, vjp = jax.vjp(lambda q, k, v: _plain_attention(q, k, v, q_pos, kv_start, scale), q, k, v)
-    return (*vjp(ct), None, None)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # --- the pieces of a Tunix layer ----------------------------------------------------------
@@ -259,7 +210,10 @@ def _cached_attention(q, k_new, v_new, cache, attn_mask, *, scale: float, backen
     else:
         slot0, k, v, new_cache = jnp.int32(0), k_new, v_new, None
     q_pos, kv_start = attention_layout(attn_mask, t, slot0, k.shape[1])
-    return _attention(q, k, v, q_pos, kv_start, float(scale), backend), new_cache
+    out = body_ops.attention(
+        q, k, v, q_positions=q_pos, kv_start=kv_start, scale=float(scale), out_dtype=v.dtype, backend=backend
+    )
+    return out, new_cache
 
 
 def _no_experts(self):
