@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu -
 mkdir -p "$OUT/mosaic_dump"
 MOSAIC_GPU_DUMP_TO="$OUT/mosaic_dump" TAILN=60 stage pytest_body_attention 280 \
   python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_body_attention_gpu.py
-TAILN=20 stage bench_body_attention 170 python3 -m benchmarks.body --ops attention --out "$OUT/body_attention.json"
-TAILN=8 stage bench_attention_decode_1wg 50 python3 -m benchmarks.body --ops attention --attn_cases decode \
+TAILN=20 stage bench_body_attention 170 python3 -m benchmarks.body --ops attention --backend pallas_sm90 --out "$OUT/body_attention.json"
+TAILN=8 stage bench_attention_decode_1wg 50 python3 -m benchmarks.body --ops attention --backend pallas_sm90 --attn_cases decode \
   --attn_lanes ours,xla --iters 10 --attn_config decode_1wg --out "$OUT/body_attention_1wg_decode.json"
-TAILN=8 stage bench_attention_prefill_1wg 60 python3 -m benchmarks.body --ops attention \
+TAILN=8 stage bench_attention_prefill_1wg 60 python3 -m benchmarks.body --ops attention --backend pallas_sm90 \
   --attn_cases prefill,prefill_long --attn_lanes ours,xla --iters 10 --attn_config prefill_1wg \
   --out "$OUT/body_attention_1wg_prefill.json"
 finish
