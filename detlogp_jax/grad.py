@@ -161,6 +161,10 @@ def backward(
 ):
     """Returns (d_hidden, d_weight, d_bias) for cotangents of (logp, lse, logits).
 
+    (One function for the three walks, the fused in-place walk, the fused slice walk and the
+    XLA-formed walk, because they share the chunk choice, the row masks and dz's formula;
+    each walk is its own function below.)
+
     chunk: the vocab chunk length; None (the default) picks `IN_PLACE_CHUNK` (or for a short
     head the longest chunk they take: `_in_place_chunk`) when the fused path would walk with the
     backend's in-place kernels, else `DEFAULT_CHUNK`.

@@ -10,7 +10,8 @@
 #   bash scripts/test.sh --full       both tiers (today's whole coverage)
 #   bash scripts/test.sh PATH... [pytest args]   those tests, every tier
 #
-# TUNIX_TEST_SKIP=1 leaves the Tunix tests out (scripts/test_tunix.sh: requirements/cpu.lock +
+# A tier runs its tests in DETLOGP_TEST_WORKERS (default 2) processes (pytest-xdist, test files
+# spread over them; 1 runs them in this process). TUNIX_TEST_SKIP=1 leaves the Tunix tests out (scripts/test_tunix.sh: requirements/cpu.lock +
 # requirements/tunix.lock). Platform setup (DETLOGP_PLATFORM, DETLOGP_SETUP=plan, ...): see
 # scripts/_env.sh. Tiers: docs/TESTING.md.
 TIER=paths
@@ -23,7 +24,7 @@ case "$TIER" in
   slow) MARK="slow" ;;
   *) MARK="" ;;
 esac
-DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider${MARK:+ -m '$MARK'}"
+DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider -n ${DETLOGP_TEST_WORKERS:-2} --dist loadfile${MARK:+ -m '$MARK'}"
 [ "$TIER" = paths ] && DETLOGP_WHAT+="$(printf ' %q' "$@")"
 [ "$TIER" = paths ] || [ "${TUNIX_TEST_SKIP:-0}" = 1 ] || DETLOGP_WHAT+=" && bash scripts/test_tunix.sh${MARK:+ -m '$MARK'}"
 T0=$(date +%s)
@@ -31,11 +32,28 @@ source "$(dirname "$0")/_env.sh"
 if [ "$TIER" = paths ]; then
   exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
 fi
+WORKERS="${DETLOGP_TEST_WORKERS:-2}"
+PAR=()
+if [ "$WORKERS" -gt 1 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then PAR=(-n "$WORKERS" --dist loadfile); fi
+TUNIX=0
+[ "${TUNIX_TEST_SKIP:-0}" = 1 ] || TUNIX=1
+if [ "$TUNIX" = 1 ]; then  # the Tunix venv builds (pip: mostly downloads) while the suite runs
+  TUNIX_BUILD_LOG="$(mktemp)"
+  bash "$(dirname "$0")/test_tunix.sh" --build >"$TUNIX_BUILD_LOG" 2>&1 &
+  TUNIX_BUILD=$!
+fi
 status=0
 ok() { "$@" || { local rc=$?; [ "$rc" = 5 ] || return "$rc"; }; }  # pytest's 5: no test of this tier here
-ok "$PYTHON" -m pytest -q -p no:cacheprovider ${MARK:+-m "$MARK"} || status=$?
-if [ "$status" = 0 ] && [ "${TUNIX_TEST_SKIP:-0}" != 1 ]; then
-  ok bash "$(dirname "$0")/test_tunix.sh" ${MARK:+-m "$MARK"} || status=$?
+ok "$PYTHON" -m pytest -q -p no:cacheprovider "${PAR[@]}" ${MARK:+-m "$MARK"} || status=$?
+if [ "$TUNIX" = 1 ]; then
+  if ! wait "$TUNIX_BUILD"; then
+    cat "$TUNIX_BUILD_LOG" >&2
+    echo "error: the Tunix test venv did not build (scripts/test_tunix.sh --build)" >&2
+    [ "$status" != 0 ] || status=1
+  elif [ "$status" = 0 ]; then
+    ok bash "$(dirname "$0")/test_tunix.sh" ${MARK:+-m "$MARK"} || status=$?
+  fi
+  rm -f "$TUNIX_BUILD_LOG"
 fi
 echo "[test] $TIER tier: exit $status in $(($(date +%s) - T0)) s (setup included)$([ "$TIER" = fast ] && echo '; budget 600 s on a 2-core CPU machine')"
 exit "$status"

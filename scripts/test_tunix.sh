@@ -6,6 +6,7 @@
 #
 #   bash scripts/test_tunix.sh               # build/reuse the venv, run the tests
 #   bash scripts/test_tunix.sh --check-lock  # only check that the two locks are a closed set
+#   bash scripts/test_tunix.sh --build       # only build (or reuse) the venv
 #
 # Knobs (not DETLOGP_*: the op refuses unknown DETLOGP_ variables): TUNIX_TEST_VENV (default
 # <repo>/.venv-tunix), TUNIX_TEST_PYTHON (the base interpreter, default the first Python >= 3.12
@@ -64,5 +65,6 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$WANT" >"$STAMP"
 fi
+[ "${1:-}" != "--build" ] || exit 0
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_tunix.py "$@"

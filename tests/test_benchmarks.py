@@ -106,6 +106,7 @@ def _check_structure(doc):
     return got
 
 
+@pytest.mark.slow
 def test_cli_trainer_fwd(trainer_fwd):
     doc, png, stdout, stderr = trainer_fwd
     got = _check_structure(doc)

@@ -219,6 +219,7 @@ def test_garbage_in_padded_weight_rows_changes_no_entropy_byte():
         assert_bitwise_equal(dirty.lse, clean.lse, f"lse with {fill} padding rows")
 
 
+@pytest.mark.slow
 def test_oracle_entropy_from_the_backends_logits_is_bit_exact():
     """oracle.entropy(returned logits) == the backend's entropy, bit for bit: bias (with a
     -inf lane: a masked token), padding, per-row temperatures, the [D, V] layout, V = 1."""

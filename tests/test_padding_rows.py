@@ -72,6 +72,7 @@ def test_nan_and_inf_padding_rows_reach_no_gradient(layout, residuals):
         )
 
 
+@pytest.mark.slow
 def test_padding_rows_of_a_vocab_shard_reach_no_gradient():
     """Inside shard_map with the vocabulary over a one-device axis: the shard's padding rows too."""
     from sharding import linear_logp_local

@@ -355,6 +355,7 @@ def test_short_head_walks_in_place_with_a_rounded_down_chunk():
     assert np.abs(np.asarray(got[1], np.float32)[vocab:]).max() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout,v_rows,lengths",
     [("vd", 1280, (256, 512)), ("dv", 1280, (256, 512)), ("vd", 1600, (256, 512)), ("dv", 1600, (256, 512))],
@@ -535,6 +536,7 @@ def test_default_chunk_follows_the_walk_not_the_rows():
         assert seen and want in seen and {k for k, _ in seen} == {want[0]}, (d, n, v_rows, seen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v_rows", [1280, 1600], ids=["tail256", "tail64-rounded"])
 def test_in_place_walk_inside_shard_map_with_vma_checks(v_rows):
     """Inside `jax.shard_map(..., check_vma=True)` (a one-device mesh: the vocab axis is manual)

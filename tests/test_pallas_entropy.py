@@ -115,6 +115,7 @@ def _check_fold(m, s, z_t, a, t, inv_t, v, logits, temp, vp, races=False):
     return ent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("bucket", ["decode", "small", "prefill"])
 def test_kernel_entropy_equals_oracle_every_bucket(bucket, bias):
@@ -340,6 +341,7 @@ def test_fold_entropy_split_counts_equal_oracle(n_split, knobs):
     assert np.all(ent[np.isfinite(ent)] >= 0) and np.isnan(ent[10]) and np.isnan(ent[1])
 
 
+@pytest.mark.slow
 def test_fold_refuses_partials_that_do_not_fit_in_shared_memory():
     """Three SMEM arrays fit fewer splits: at n_split = 600 the 32-row fold holds m, S but not A
     too, and the fold with A says so (naming the way out: fewer rows); with 16 rows it fits and

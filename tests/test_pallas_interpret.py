@@ -403,6 +403,7 @@ def test_each_kernel_builds_only_its_own_config():
         sm90_forward_wgmma.build(cfg=tuning.BUCKETS["prefill"], **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket", ["decode", "prefill", "small"])
 @pytest.mark.parametrize("v", [320, 325, 360])
 def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
@@ -435,6 +436,7 @@ def test_logits_cols_writes_only_the_real_vocabulary(bucket, v):
 # --- weight_layout="dv": a [D, V] kernel read in place ---------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("logits", [True, False], ids=["serving", "trainer"])
 @pytest.mark.parametrize("bucket", ["decode", "small", "prefill"])

@@ -628,6 +628,7 @@ def _forward_ops(n, bucket=None, **kw):
     return re.findall(r"\bstablehlo\.([a-z_]+)", _lower_forward(n, bucket, **kw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n,bucket", [(1, None), (3, None), (8, None), (13, None), (296, None), (72, "decode"), (1, "mid"), (70, "prefill")]
 )

@@ -208,6 +208,7 @@ def _exact_backward_case(layout, seed=3):
     return args, g_logits, extra, jnp.asarray(z.astype(np.float32))
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("chunk", [48, 50, 64, 8192])  # clamped last chunk, ..., divisor, one chunk

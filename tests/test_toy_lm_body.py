@@ -11,11 +11,11 @@ from flax import nnx
 from detlogp_jax.apps.toy_lm import ToyLM, ToyLMConfig
 from tests.helpers import row_mismatches
 
-B, L = 5, 20
+B, L = 5, 16
 
 
 def _model(dtype):
-    cfg = ToyLMConfig(vocab_size=500, padded_vocab_size=512, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_len=L)
+    cfg = ToyLMConfig(vocab_size=500, padded_vocab_size=512, d_model=64, n_layers=1, n_heads=2, d_ff=128, max_len=L)
     return ToyLM(ToyLMConfig(**{**cfg.__dict__, "dtype": dtype}), rngs=nnx.Rngs(0))
 
 

@@ -25,19 +25,20 @@ import contextlib
 out = {}
 for layout, axis_type in (("vd", jax.sharding.AxisType.Explicit), ("dv", jax.sharding.AxisType.Auto)):
     mesh = jax.make_mesh((2,), ("tp",), axis_types=(axis_type,))
-    ctx = jax.set_mesh(mesh) if axis_type == jax.sharding.AxisType.Explicit else contextlib.nullcontext()
+    ctx = lambda: jax.set_mesh(mesh) if axis_type == jax.sharding.AxisType.Explicit else contextlib.nullcontext()
     wl = w if layout == "vd" else w.T
     kw = dict(vocab_size=vocab, weight_layout=layout, return_entropy=True, backend="reference")
     one = dl.linear_logp(h, wl, t, **kw)
     bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
     loss = lambda f: (lambda h, w: jnp.sum(f(h, w).logp) + jnp.sum(f(h, w).lse))
-    g1 = jax.grad(loss(lambda h, w: dl.linear_logp(h, w, t, **kw)), argnums=(0, 1))(h, wl)
-    with ctx:
+    with ctx():
         tp = dl.linear_logp_tp(h, wl, t, mesh=mesh, tp_axis="tp", **kw)
-        g2 = jax.grad(loss(lambda h, w: dl.linear_logp_tp(h, w, t, mesh=mesh, tp_axis="tp", **kw)), argnums=(0, 1))(h, wl)
-    out[layout] = {
-        f: int((bits(getattr(one, f)) != bits(getattr(tp, f))).sum()) for f in ("logp", "lse", "entropy")
-    } | {"grad_max_abs_diff": max(float(jnp.abs(a - b).max()) for a, b in zip(g1, g2))}
+    out[layout] = {f: int((bits(getattr(one, f)) != bits(getattr(tp, f))).sum()) for f in ("logp", "lse", "entropy")}
+    if layout == "vd":  # the gradient through the rank-ordered merge, once
+        g1 = jax.grad(loss(lambda h, w: dl.linear_logp(h, w, t, **kw)), argnums=(0, 1))(h, wl)
+        with ctx():
+            g2 = jax.grad(loss(lambda h, w: dl.linear_logp_tp(h, w, t, mesh=mesh, tp_axis="tp", **kw)), argnums=(0, 1))(h, wl)
+        out[layout]["grad_max_abs_diff"] = max(float(jnp.abs(a - b).max()) for a, b in zip(g1, g2))
 print(json.dumps(out))
 """
 
@@ -53,4 +54,4 @@ def test_tp2_gives_the_one_device_bytes():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for layout, got in res.items():
         assert (got["logp"], got["lse"], got["entropy"]) == (0, 0, 0), (layout, got)
-        assert got["grad_max_abs_diff"] < 1e-5, (layout, got)
+        assert got.get("grad_max_abs_diff", 0.0) < 1e-5, (layout, got)

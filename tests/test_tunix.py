@@ -64,6 +64,7 @@ def test_per_token_logps_matches_tunix(kind, tied):
         assert diff.max() < TOL, (temperature, diff.max())
 
 
+@pytest.mark.slow
 def test_gemma3_and_qwen2_match_tunix():
     prompt, comp = batch(seed=2)
     mask = comp != PAD
@@ -73,6 +74,7 @@ def test_gemma3_and_qwen2_match_tunix():
         assert np.abs(np.asarray(got) - np.asarray(ref))[mask].max() < TOL, type(model).__name__
 
 
+@pytest.mark.slow
 def test_packed_sequences_match_tunix():
     model = make_model("qwen3", False)
     rng = np.random.default_rng(5)
@@ -98,6 +100,7 @@ def test_return_logits_match_tunix():
     assert np.abs(np.asarray(lp) - np.asarray(ref_lp))[comp != PAD].max() < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residuals", ["recompute", "logits"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gradients_match_tunix(tied, residuals):
@@ -258,6 +261,7 @@ def _sampler(model):
 PROMPTS = ["w5 w6 w7", "w9 w10", "w11 w12 w13 w14"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tied", [("qwen3", False), ("llama3", True)], ids=["qwen3-untied", "llama3-tied"])
 def test_rollout_then_trainer_scoring(kind, tied, monkeypatch, record_property):
     """The patched sampler records the op's logp of each sampled token; the trainer's per_token_logps on
@@ -355,6 +359,7 @@ def _positions_and_mask(prompt, comp):
     return dict(positions=positions, cache=None, attention_mask=mask)
 
 
+@pytest.mark.slow
 def test_greedy_rollout_and_unpatched_sampler_agree():
     """Greedy: the patched sampler picks Tunix's tokens and records log_softmax(z) of them as Tunix does."""
     model = make_model("qwen3", True)
@@ -428,6 +433,7 @@ def test_patch_refuses_unknown_tunix(monkeypatch):
     assert not dt.is_patched()
 
 
+@pytest.mark.slow
 def test_patched_compute_per_token_logps_is_a_drop_in():
     model = make_model("llama3", False)
     prompt, comp = batch(seed=8)
@@ -496,6 +502,7 @@ def test_grpo_steps_under_patch(monkeypatch, body):
     assert calls["trainer"] >= 2 and calls["sampler"] >= 2, calls  # loss + reference logps; prefill + decode
 
 
+@pytest.mark.slow
 def test_tensor_parallel_head_goes_through_linear_logp_tp(tmp_path):
     out = tmp_path / "tp.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
@@ -563,6 +570,7 @@ def test_ppo_loss_using_the_entropy_under_entropy_none_gives_nan_gradients():
     assert np.isfinite(loss0) and all(np.isfinite(g).all() for g in grads0)
 
 
+@pytest.mark.slow
 def test_grpo_loss_without_BLV_under_entropy_none():
     """Tunix's GRPO loss always asks for the logits (its entropy metric): under the default patch the
     op's [B, C, V] logits are the one such array left; with entropy="none" there is none, the loss
@@ -711,6 +719,7 @@ def test_body_rollout_logps_equal_trainer_logps_bit_for_bit(kind, tied, dtype, r
         assert mismatches == 0 and k3 == 0.0, (name, mismatches, n, k3)
 
 
+@pytest.mark.slow
 def test_without_the_body_patch_the_same_comparison_drifts(monkeypatch, record_property):
     """The negative control: the same rollout and trainer batches with Tunix's own body (patch() with
     body=None: the op head, Tunix's einsums / softmax / norms) give other bytes; the final hidden states
@@ -778,6 +787,7 @@ def test_body_backward_is_finite_and_close_to_tunix():
         assert np.abs(a - b).max() <= 1e-4 * max(np.abs(b).max(), 1.0), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_body_hidden_states_called_directly_or_under_jit():
     """While the body is patched, hidden_states / per_token_logps compile their forward (with Python
     flags such as output_hidden_states static): a direct call gives the bytes of a call inside a jit."""

@@ -249,6 +249,7 @@ def test_per_step_metrics():
     assert ps["max_abs_k3"][0] == pytest.approx(math.exp(-0.5) - 1 + 0.5, rel=1e-12) and ps["max_abs_k3"][1] == 0.0
 
 
+@pytest.mark.slow
 def test_main_job_in_a_fresh_clone_writes_only_its_out_dir(tmp_path):
     """The CLI with its default out dir, in a fresh clone: report + PNG land there, git status stays empty."""
     if (

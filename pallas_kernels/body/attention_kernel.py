@@ -119,7 +119,9 @@ def build(
     """The kernel (q_rows, k, v, pos_rows, tile_meta, kv_start) -> out [batch, hkv, rows, dh].
 
     rows: R, a multiple of 64; scale: the logit scale (rounded to f32); cfg: bit-neutral launch
-    geometry."""
+    geometry. (Long on purpose: the producer, the consumer and `_block`'s three steps, qk /
+    softmax / pv, are closures over one `run_scoped` scope's refs and the launch geometry, as
+    the JAX Mosaic GPU examples write a kernel; each piece is named and short.)"""
     if dh not in ac.HEAD_DIMS:
         raise ValueError(f"body attention kernel: head dim {dh} unsupported; supported: {ac.HEAD_DIMS}")
     if rows % ROWS:
