@@ -309,8 +309,9 @@ def build_report(
     if base is not None and info["platform"] == "cpu" and rows[2]["mismatch_count"] == 0:
         base["evidence"] += (
             "; on this CPU XLA's materialized logp happens to give a row the same bytes in both batches, so the "
-            "lane cannot show the operator's drift here; on a GPU it does (an H200 moves a row's logp by up to "
-            "3.8e-5 between M=1 and a batch: benchmarks/results/h200/forward/fwd.json)"
+            "lane cannot show the operator's drift here: with --batch 1 (one row per decode step, a matrix-vector "
+            "product on XLA:CPU) it does, and on a GPU at any batch (an H200 moves a row's logp by up to 3.8e-5 "
+            "between M=1 and a batch: benchmarks/results/h200/forward/fwd.json)"
         )
     report = {
         "tool": "detlogp_jax.validate",

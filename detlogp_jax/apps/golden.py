@@ -12,9 +12,10 @@ The per-row entropy (`linear-logp-entropy-v1`, CONTRACT.md section 9) has its ow
 records under its own key, `platform/cc/linear-logp-entropy-v1/jax/backend`
 (field `entropy_sha256`), so the `linear-logp-contract-v1` records (and a replay by an
 older version, which reads only those) are untouched. On a backend that produces the
-entropy each case runs a second time with `return_entropy=True`; its logp/lse must be
-the first run's bytes and its entropy must match the entropy record. A backend without
-the entropy (`pallas_sm90` today) skips the entropy records.
+entropy (`reference` and `pallas_sm90` both do) each case runs a second time with
+`return_entropy=True`; its logp/lse must be the first run's bytes and its entropy must
+match the entropy record. A backend without the entropy (a plugin that does not declare
+it) skips the entropy records.
 
     python -m detlogp_jax.golden                       # replay on the best backend
     python -m detlogp_jax.golden --record --out FILE   # write the records + this machine's key to FILE
