@@ -167,6 +167,7 @@ def test_auto_takes_the_reference_where_the_gpu_backend_lacks_the_op(monkeypatch
     assert out.shape == S and not [w for w in recwarn if "falls back" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_body_benchmark_attention_runs_on_cpu(tmp_path):
     """`python -m benchmarks.body --ops=attention` at the tiny shapes: a lane row per (case, lane)
     (cuDNN skipped with its reason on a CPU) and a ratio row per case in the JSON."""

@@ -551,6 +551,7 @@ def fresh_traces():
     jax.clear_caches()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("declares", [False, True])
 def test_a_dz_kernel_gets_the_entropy_term_only_if_it_declares_it(monkeypatch, fresh_traces, declares):
     calls = []
@@ -600,6 +601,7 @@ def test_contract_doc_states_the_entropy_program():
     assert C.contract_constants()["ENTROPY"]["id"] == C.ENTROPY_ID
 
 
+@pytest.mark.slow
 def test_a_fused_forward_serves_the_unsharded_head_with_the_same_bytes(monkeypatch, fresh_traces):
     """A contract backend's `fused_forward` (fold(partials(...)) in one call) is what the op core
     calls for an unsharded head, forward and residual backward, with the arguments partials gets;

@@ -170,9 +170,11 @@ def test_dv_gradients_in_the_callers_layout_match_float64():
 
 
 @pytest.fixture(scope="module")
-def mesh_results(tmp_path_factory):
+def mesh_results(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("mesh") / "mesh.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    # the fast tier computes only its own cases (each test's first; tests/mesh_cases.py)
+    env["MESH_CASES"] = "fast" if request.config.getoption("markexpr", "") == "not slow" else "all"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "mesh_cases.py"), str(out)],
         env=env,

@@ -666,6 +666,7 @@ def test_gradient_gemm_refuses_a_config_beyond_shared_memory():
         jax.jit(lambda dw, dz, h, s: gg.dw_write(dw, dz, h, s, cfg=too_big)).trace(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_no_xla_update_of_the_kernels_dw(layout):
     """Lowered for CUDA (shapes only), the fused backward's in-place walk leaves every dW row to

@@ -403,6 +403,7 @@ def test_fused_forward_equals_partials_and_fold(n):
             _same(got[2], parts[4], f"logits {what}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n,bucket,layout",
     [(1, "decode", "vd"), (3, "decode", "dv"), (13, "decode", "vd"), (40, "decode", "vd"), (63, "decode", "vd")]

@@ -144,6 +144,7 @@ def test_both_modes_match_float64_and_repeat_bitwise(layout, dtype):
                 assert_bitwise_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), f"{mode} repeat")
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
@@ -169,6 +170,7 @@ def test_gradient_modes_agree_to_rounding_when_the_logits_agree(layout, dtype):
             assert rel_err(y, x) <= 1e-6, (name, extra, rel_err(y, x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_gradient_modes_differ_by_no_more_than_the_accuracy_otherwise(layout, dtype):

@@ -224,49 +224,42 @@ def _no_experts(self):
         )
 
 
+def _rotate_attend_project(mod, self, q, k, v, cache, attn_mask, backend, rotate):
+    """The common tail of the three models' ``Attention.block``: Tunix's sharding constraints,
+    its rotary embedding (`rotate`), the cache update and `body.attention`, the output
+    projection. Returns (new cache, outputs)."""
+    q, k, v = (mod.shard(x, self.shd_config.act_btnh) for x in (q, k, v))
+    qkv, new_cache = _cached_attention(rotate(q), rotate(k), v, cache, attn_mask, scale=self.scale, backend=backend)
+    return new_cache, mod.shard(_proj(self.o_proj, qkv, backend), self.shd_config.act_btd)
+
+
 def _qwen3_block(mod, backend):
     def block(self, x, segment_pos, cache, attn_mask, segment_ids=None):
         """Tunix 0.1.7 qwen3 ``Attention.block`` on the batch-invariant body."""
         _no_experts(self)
-        query_proj = self.q_norm(_proj(self.q_proj, x, backend))
-        key_proj = self.k_norm(_proj(self.k_proj, x, backend))
-        value_proj = _proj(self.v_proj, x, backend)
-        query_proj = mod.shard(query_proj, self.shd_config.act_btnh)
-        key_proj = mod.shard(key_proj, self.shd_config.act_btnh)
-        value_proj = mod.shard(value_proj, self.shd_config.act_btnh)
-        query_proj = mod.apply_rope(query_proj, segment_pos, head_dim=self.head_dim)
-        key_proj = mod.apply_rope(key_proj, segment_pos, head_dim=self.head_dim)
-        qkv, new_cache = _cached_attention(
-            query_proj, key_proj, value_proj, cache, attn_mask, scale=self.scale, backend=backend
-        )
-        outputs = mod.shard(_proj(self.o_proj, qkv, backend), self.shd_config.act_btd)
-        return new_cache, outputs
+        q = self.q_norm(_proj(self.q_proj, x, backend))
+        k = self.k_norm(_proj(self.k_proj, x, backend))
+        v = _proj(self.v_proj, x, backend)
+        rotate = lambda y: mod.apply_rope(y, segment_pos, head_dim=self.head_dim)  # noqa: E731
+        return _rotate_attend_project(mod, self, q, k, v, cache, attn_mask, backend, rotate)
 
     return block
 
 
 def _qwen2_block(mod, backend):
     def block(self, x, cache, attn_mask, sin, cos, segment_ids=None):
-        """Tunix 0.1.7 qwen2 ``Attention.block`` on the batch-invariant body."""
+        """Tunix 0.1.7 qwen2 ``Attention.block`` on the batch-invariant body (its q / k / v biases
+        added as Tunix adds them)."""
         dt = self.config.dtype
-        query_proj = _proj(self.q_proj, x, backend)
-        b, t, n, h = query_proj.shape
-        query_proj = jnp.reshape(jnp.reshape(query_proj, (b, t, n * h)) + self.q_bias[...].astype(dt), (b, t, n, h))
-        key_proj = _proj(self.k_proj, x, backend)
-        _, s, k, h = key_proj.shape
-        key_proj = jnp.reshape(jnp.reshape(key_proj, (b, s, k * h)) + self.k_bias[...].astype(dt), (b, s, k, h))
-        value_proj = _proj(self.v_proj, x, backend)
-        value_proj = jnp.reshape(jnp.reshape(value_proj, (b, s, k * h)) + self.v_bias[...].astype(dt), (b, s, k, h))
-        query_proj = mod.shard(query_proj, self.shd_config.act_btnh)
-        key_proj = mod.shard(key_proj, self.shd_config.act_btnh)
-        value_proj = mod.shard(value_proj, self.shd_config.act_btnh)
-        query_proj = mod.apply_rotary_embedding(query_proj, sin, cos)
-        key_proj = mod.apply_rotary_embedding(key_proj, sin, cos)
-        qkv, new_cache = _cached_attention(
-            query_proj, key_proj, value_proj, cache, attn_mask, scale=self.scale, backend=backend
-        )
-        outputs = mod.shard(_proj(self.o_proj, qkv, backend), self.shd_config.act_btd)
-        return new_cache, outputs
+
+        def biased(layer, bias):
+            y = _proj(layer, x, backend)
+            b, t, n, h = y.shape
+            return jnp.reshape(jnp.reshape(y, (b, t, n * h)) + bias[...].astype(dt), (b, t, n, h))
+
+        q, k, v = biased(self.q_proj, self.q_bias), biased(self.k_proj, self.k_bias), biased(self.v_proj, self.v_bias)
+        rotate = lambda y: mod.apply_rotary_embedding(y, sin, cos)  # noqa: E731
+        return _rotate_attend_project(mod, self, q, k, v, cache, attn_mask, backend, rotate)
 
     return block
 
@@ -274,19 +267,9 @@ def _qwen2_block(mod, backend):
 def _llama3_block(mod, backend):
     def block(self, x, segment_pos, cache, attn_mask):
         """Tunix 0.1.7 llama3 ``Attention.block`` on the batch-invariant body."""
-        query_proj = _proj(self.q_proj, x, backend)
-        key_proj = _proj(self.k_proj, x, backend)
-        value_proj = _proj(self.v_proj, x, backend)
-        query_proj = mod.shard(query_proj, self.shd_config.act_btnh)
-        key_proj = mod.shard(key_proj, self.shd_config.act_btnh)
-        value_proj = mod.shard(value_proj, self.shd_config.act_btnh)
-        query_proj = mod.apply_rope(query_proj, segment_pos, head_dim=self.head_dim)
-        key_proj = mod.apply_rope(key_proj, segment_pos, head_dim=self.head_dim)
-        qkv, new_cache = _cached_attention(
-            query_proj, key_proj, value_proj, cache, attn_mask, scale=self.scale, backend=backend
-        )
-        outputs = mod.shard(_proj(self.o_proj, qkv, backend), self.shd_config.act_btd)
-        return new_cache, outputs
+        q, k, v = (_proj(layer, x, backend) for layer in (self.q_proj, self.k_proj, self.v_proj))
+        rotate = lambda y: mod.apply_rope(y, segment_pos, head_dim=self.head_dim)  # noqa: E731
+        return _rotate_attend_project(mod, self, q, k, v, cache, attn_mask, backend, rotate)
 
     return block
 
