@@ -94,7 +94,8 @@ ATTN_CASES = {
 ATTN_LANES = ("ours", "xla", "cudnn")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("ops", ["gemm"], "Body ops to time: gemm, attention.")
+flags.DEFINE_list("ops", ["gemm"], "Body ops to time: gemm, attention, layer.")
+flags.DEFINE_list("layer_cases", ["decode", "prefill", "train"], "Layer cases: decode, prefill, train (fwd+bwd).")
 flags.DEFINE_enum("shape", "qwen3_8b", sorted(GEMM_SHAPES), "Layer shapes by model.")
 flags.DEFINE_list("attn_cases", list(ATTN_CASES["qwen3_8b"]), "Attention cases: decode, prefill, prefill_long.")
 flags.DEFINE_list("attn_lanes", list(ATTN_LANES), f"Attention lanes, from {list(ATTN_LANES)}.")
@@ -411,11 +412,11 @@ def _attn_table(results, ratios) -> str:
 
 
 def _lane_line(r: LaneResult) -> str:
-    if r.op == "attention":
+    if r.op in ("attention", "layer"):
         if r.median_ms is None:
-            return f"[attention] {r.lane:6s} {r.note}"
+            return f"[{r.op}] {r.lane:6s} {r.note}"
         return (
-            f"[attention] {r.lane:6s} {r.note}: median {r.median_ms:.4f} ms "
+            f"[{r.op}] {r.lane:6s} {r.note}: median {r.median_ms:.4f} ms "
             f"(min {r.min_ms:.4f}, max {r.max_ms:.4f}, {len(r.samples_ms)} samples) by {r.served_by}"
         )
     if r.median_ms is None:
@@ -461,7 +462,99 @@ def _meta() -> dict:
     )
 
 
-OPS = {"gemm": run_gemm, "attention": run_attention}
+# --- whole layers --------------------------------------------------------------------------------
+
+LAYER_CASES = {  # (B sequences, T tokens per call, S cache slots)
+    "qwen3_8b": {"decode": (64, 1, 4096), "prefill": (8, 1024, 1024), "train": (8, 1024, 1024)},
+    "tiny": {"decode": (4, 1, 128), "prefill": (2, 64, 64), "train": (2, 64, 64)},
+}
+LAYER_BARS = {"decode": 1.15, "prefill": 1.15, "train": 1.3}  # issue 40's bars vs plain XLA
+
+
+def _layer_operands(case, b, t, s, shape, seed):
+    """N_SETS argument tuples of one layer case (bf16 activations and caches; decode positions
+    spread over the cache's last slots)."""
+    sets = []
+    for i in range(N_SETS):
+        kx, kk, kv = jax.random.split(jax.random.key(seed * 1000 + 900 + i), 3)
+        x = jax.random.normal(kx, (b, t, shape.d), jnp.float32).astype(jnp.bfloat16)
+        if case != "decode":
+            sets.append((x,))
+            continue
+        cache = (shape.n_layers, b, s, shape.hkv, shape.dh)
+        kc = jax.random.normal(kk, cache, jnp.float32).astype(jnp.bfloat16)
+        vc = jax.random.normal(kv, cache, jnp.float32).astype(jnp.bfloat16)
+        sets.append((x, kc, vc, _attn_positions(b, 1, s)[:, 0]))
+    return sets
+
+
+def _rel_diff(a, b) -> float:
+    """max |a - b| / (1 + max |b|) in f32."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(a - b))) / (1.0 + float(jnp.max(jnp.abs(b))))
+
+
+def run_layer() -> tuple[list[LaneResult], list[dict]]:
+    """A stack of Qwen3-8B-shaped layers (`benchmarks.body_layer`): a decode step, a prefill and
+    the trainer's fwd+bwd, ours (--backend) vs plain XLA on the same weights."""
+    from benchmarks import body_layer
+
+    shape = body_layer.SHAPES[FLAGS.shape]
+    params = body_layer.init_params(shape, FLAGS.seed)
+    make = {"decode": body_layer.decode_step, "prefill": body_layer.prefill, "train": body_layer.trainer_fwd_bwd}
+    results, ratios = [], []
+    for case, (b, t, s) in LAYER_CASES[FLAGS.shape].items():
+        if case not in FLAGS.layer_cases:
+            continue
+        sets = [(params,) + a for a in _layer_operands(case, b, t, s, shape, FLAGS.seed)]
+        compiled, firsts, label = {}, {}, f"{case} B={b} T={t} S={s} layers={shape.n_layers}"
+        for lane in ("ours", "xla"):
+            res = LaneResult(
+                "layer",
+                case,
+                s,
+                shape.d,
+                b * t,
+                lane,
+                FLAGS.backend if lane == "ours" else "plain jnp",
+                None,
+                None,
+                None,
+                [],
+            )
+            res.note = label
+            try:
+                compiled[lane], res.compile_s, res.samples_ms, firsts[lane] = _time_jax(
+                    make[case](lane, FLAGS.backend, shape), sets, FLAGS.calls_per_sample
+                )
+            except Exception as e:  # a lane that fails to build or run is reported; the rest go on
+                res.note = f"{label}; failed: {type(e).__name__}: {str(e)[:300]}"
+            res.median_ms, res.min_ms, res.max_ms = _stats(res.samples_ms)
+            results.append(res)
+            print(_lane_line(res), flush=True)
+        if len(compiled) == 2:
+            paired = timing.paired_ratios(
+                compiled["xla"], compiled["ours"], sets, pairs=FLAGS.iters, calls_per_sample=FLAGS.calls_per_sample
+            )
+            ratio, bar = statistics.median(paired), LAYER_BARS[case]
+            leaves = zip(jax.tree.leaves(firsts["ours"]), jax.tree.leaves(firsts["xla"]))
+            rel = max(_rel_diff(o, x) for o, x in leaves)
+            ratios.append(
+                dict(
+                    rel_diff_vs_xla=rel,
+                    op="layer",
+                    proj=case,
+                    m=b * t,
+                    ours_over_xla=ratio,
+                    paired_samples=paired,
+                    bar=bar,
+                    passes=ratio <= bar,
+                )
+            )
+    return results, ratios
+
+
+OPS = {"gemm": run_gemm, "attention": run_attention, "layer": run_layer}
 
 
 def main(argv):
@@ -485,6 +578,8 @@ def main(argv):
         print(_table(results, ratios))
     if "attention" in FLAGS.ops:
         print(_attn_table(results, ratios))
+    for row in (r for r in ratios if r["op"] == "layer"):
+        print(f"layer {row['proj']:8s} M={row['m']:<6d} ours/xla {row['ours_over_xla']:.3f} (bar {row['bar']:.2f}) ")
     if FLAGS.out:
         print(f"JSON: {FLAGS.out}")
 

@@ -200,6 +200,7 @@ def odd_heads():
     return q, k, v, pos, _run(q, k, v, pos, config="prefill_1wg")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     ["prefill", "decode", "decode_1wg", ac.AttentionConfig("ring2_first_to_last", stages=2, heavy_first=False)],
@@ -219,6 +220,7 @@ def _races_found():
     return gpu_callbacks.get_races().races_found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wgs", [1, 2])
 def test_no_races_in_one_cta(wgs):
     """Race detection over a single CTA (one sequence; one KV head, or two with two consumer

@@ -418,3 +418,28 @@ def test_body_benchmark_runs_on_cpu(tmp_path):
     assert [(r["proj"], r["m"]) for r in report["ratios"]] == [("q", 1), ("q", 8), ("down", 1), ("down", 8)]
     assert all(r["max_abs_diff_vs_xla"] < 0.1 and r["ours_over_xla"] > 0 for r in report["ratios"])
     assert "ours/xla" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["decode", "train"])
+def test_body_benchmark_layer_lanes_run_on_cpu(tmp_path, case):
+    """`python -m benchmarks.body --ops=layer` at the tiny shapes: a decode step over a cache
+    (or the trainer's fwd+bwd) of a 2-layer stack, ours and plain XLA on the same weights, with
+    a ratio row (ours agrees with XLA to bf16 rounding)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "layer.json"
+    cmd = [sys.executable, "-m", "benchmarks.body", "--ops=layer", "--shape=tiny", f"--layer_cases={case}"]
+    cmd += ["--iters=1", "--warmup=1", "--calls_per_sample=1", f"--out={out}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        cmd, cwd=root, capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu")
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert {(r["proj"], r["lane"]) for r in report["lanes"]} == {(case, lane) for lane in ("ours", "xla")}
+    assert all(r["median_ms"] and "failed" not in r["note"] for r in report["lanes"]), report["lanes"]
+    assert [r["proj"] for r in report["ratios"]] == [case] and f"layer {case}" in proc.stdout
+    assert all(r["rel_diff_vs_xla"] < 0.1 for r in report["ratios"]), report["ratios"]

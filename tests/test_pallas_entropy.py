@@ -451,6 +451,7 @@ def test_unpadded_forward_equals_padded_forward(n, bucket, layout):
         _same(got[i], want[i], f"{name} n={n} {bucket}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 13])
 def test_decode_fold_config_gives_the_same_bytes(n, monkeypatch):
     """tuning.DECODE_FOLD (the fold pk.forward runs at N <= 64 rows): FoldConfig(rows=8), 16 threads per row's splits, gives the bytes of the 32-row fold:

@@ -311,6 +311,7 @@ def _ws(**kw):
     return dataclasses.replace(tuning.BUCKETS["prefill"], name="ws-test", **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket", ["prefill", "decode"])
 def test_ws_kernel_bit_identical_with_race_detection(bucket):
     """sm90_forward_ws == the chain-in-wgmma kernel (small bucket), every output and the
@@ -331,6 +332,7 @@ def test_ws_kernel_bit_identical_with_race_detection(bucket):
         assert_bitwise_equal(np.asarray(trainer[k]), np.asarray(ref[k]), f"{name} trainer entry")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("full", [True, False])
 def test_chain_tile_sliced_equals_chain_tile(full):
     """The sliced chain step (two passes over eight [BM, 8] slices, exp loop) gives the bytes

@@ -90,6 +90,7 @@ def test_packed_sequences_match_tunix():
     assert np.abs(np.asarray(got) - np.asarray(ref)).max() < TOL
 
 
+@pytest.mark.slow
 def test_return_logits_match_tunix():
     model = make_model("qwen3", True)
     prompt, comp = batch(seed=4)
@@ -191,6 +192,7 @@ def _has_blv(shapes, b, lengths, v):
 BIG_V = 40_000  # > TARGET_SPLITS * 64 columns: one step of the op's vocab walk is a chunk, not all of V
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_no_BLV_intermediate(tied):
     model = make_model("qwen3", tied, vocab=BIG_V)
@@ -214,6 +216,7 @@ def test_no_BLV_intermediate(tied):
     assert _has_blv(_float_shapes(theirs.jaxpr, []), b, lengths, BIG_V) is not None
 
 
+@pytest.mark.slow
 def test_return_entropy_passes_through_or_refuses():
     model = make_model("qwen3", False)
     prompt, comp = batch(seed=1)
@@ -377,6 +380,7 @@ def test_greedy_rollout_and_unpatched_sampler_agree():
         assert a == b
 
 
+@pytest.mark.slow
 def test_sampler_refuses_what_the_op_cannot_score():
     s = _sampler(make_model("qwen3", False))
     with dt.patch():
@@ -446,6 +450,7 @@ def test_patched_compute_per_token_logps_is_a_drop_in():
     assert_bitwise_equal(got_lp, got, "return_logits does not change the logp bytes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", [None, "batch_invariant"], ids=["tunix-body", "invariant-body"])
 def test_grpo_steps_under_patch(monkeypatch, body):
     """A few GRPO steps of a tiny Qwen3 with Tunix's RLCluster + GRPOLearner (vanilla rollout with
@@ -765,6 +770,7 @@ def test_without_the_body_patch_the_same_comparison_drifts(monkeypatch, record_p
     )  # the body's bytes, not a cached trace of Tunix's body
 
 
+@pytest.mark.slow
 def test_body_backward_is_finite_and_close_to_tunix():
     """The body ops' custom VJPs (plain jnp backward) make the patched learner forward differentiable:
     the gradient of a masked logprob sum (left-padded prompts, right-padded completions: padding rows
