@@ -101,6 +101,7 @@ def test_dtype_cast_and_errors():
         LogpHead(D, V, mesh=jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",)), rngs=nnx.Rngs(0))  # no tp_axis
 
 
+@pytest.mark.slow
 def test_mesh_routes_to_tp_entry():
     """With mesh/tp_axis the head pads its weight to V_pad and calls sharding.linear_logp_tp
     (here a 1-device mesh: same bytes as the unsharded head)."""

@@ -509,6 +509,7 @@ def test_forward_lowers_for_cuda(bucket):
     _lower(70, 192, 1000, 1024, bucket, bias=False, logits=False, col_offset=512, shard_cols=512)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket", sorted(tuning.BUCKETS))
 def test_dv_forward_lowers_for_cuda(bucket):
     """weight_layout="dv": Mosaic accepts the [64, 64 w] TMA blocks of a [D, V] weight
@@ -705,6 +706,7 @@ def _lower_entropy(n, d, v, vp, bucket, bias, logits, weight_layout="vd", vl=Non
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket", _ENTROPY_VARIANTS, ids=lambda b: getattr(b, "name", b))
 def test_entropy_forward_lowers_for_cuda(bucket):
     """Both forward kernels built with return_entropy=True lower for CUDA (the PEXP /

@@ -132,6 +132,7 @@ def test_verdict_names_what_passed(report):
     assert "the plain XLA body on the same tokens drifts in" in v and "not the operator's" in v
 
 
+@pytest.mark.slow
 def test_plain_xla_body_run_reports_the_body_drift(tmp_path):
     """body="xla": no row (c); the end-to-end claim is informational ("DRIFT (body)" when only
     the body drifts) and the verdict says the operator is exact and the drift is the body's,
