@@ -66,3 +66,27 @@ def f64_loss_grads(h, w, b, t, temp, vocab, g_lp, g_lse):
     onehot[np.arange(len(t))[live], t[live]] = 1
     dz = (g_lse[:, None] * p + (g_lp * live)[:, None] * (onehot - p)) / temp
     return dz @ w, dz.T @ h, dz.sum(0)
+
+
+def attention_f64(q, k, v, pos, kv_start, scale=None):
+    """Causal GQA softmax attention in float64: query (b, t, h) at position pos[b, t] over the keys
+    at cache slots kv_start[b] .. kv_start[b] + pos[b, t] of KV head h // (Hq / Hkv); a query with
+    position < 0 gives zeros. q [B, T, Hq, Dh], k / v [B, S, Hkv, Dh]; scale default Dh ** -0.5."""
+    import jax.numpy as jnp
+
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    b, t, hq, dh = q.shape
+    g = hq // k.shape[2]
+    scale = dh**-0.5 if scale is None else scale
+    out = np.zeros(q.shape)
+    for bb in range(b):
+        for tt in range(t):
+            p = int(pos[bb, tt])
+            if p < 0:
+                continue
+            keys = np.arange(kv_start[bb], kv_start[bb] + p + 1)
+            for h in range(hq):
+                s = k[bb, keys, h // g] @ q[bb, tt, h] * scale
+                w = np.exp(s - s.max())
+                out[bb, tt, h] = (w / w.sum()) @ v[bb, keys, h // g]
+    return out

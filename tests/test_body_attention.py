@@ -12,7 +12,7 @@ import pytest
 
 from detlogp_jax import backends
 from detlogp_jax.body import kv_attention as A
-from tests.helpers import row_mismatches
+from tests.helpers import attention_f64, row_mismatches
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 
@@ -26,22 +26,6 @@ def _bits(x):
     return np.asarray(jnp.asarray(x, jnp.float32)).view(np.uint32)
 
 
-def _f64_attention(q, k, v, pos, kv_start, scale):
-    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
-    b, t, hq, dh = q.shape
-    g = hq // k.shape[2]
-    out = np.zeros(q.shape)
-    for bb in range(b):
-        for tt in range(t):
-            p = int(pos[bb, tt])
-            keys = np.arange(kv_start[bb], kv_start[bb] + p + 1)
-            for h in range(hq):
-                s = k[bb, keys, h // g] @ q[bb, tt, h] * scale
-                w = np.exp(s - s.max())
-                out[bb, tt, h] = (w / w.sum()) @ v[bb, keys, h // g]
-    return out
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", ["reference", "xla"])
 def test_attention_matches_float64(dtype, backend):
@@ -52,7 +36,7 @@ def test_attention_matches_float64(dtype, backend):
     pos = np.minimum(pos, 140 - 1 - kv_start[:, None])
     q = q[:, : pos.shape[1]]
     got = A.attention(q, k, v, q_positions=pos, kv_start=kv_start, backend=backend)
-    want = _f64_attention(q, k, v, pos, kv_start, 32**-0.5)
+    want = attention_f64(q, k, v, pos, kv_start, 32**-0.5)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert got.dtype == dtype and np.abs(np.asarray(got, np.float64) - want).max() < tol * np.abs(want).max()
 

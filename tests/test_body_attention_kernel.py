@@ -21,7 +21,7 @@ import pytest
 
 from detlogp_jax import body
 from detlogp_jax.body import kv_attention as A
-from tests.helpers import rel_err, row_mismatches
+from tests.helpers import attention_f64, rel_err, row_mismatches
 
 pa = pytest.importorskip("pallas_kernels.body.attention")
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
@@ -68,25 +68,6 @@ def _rows_differ(a, b):
     return row_mismatches(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]))[0]
 
 
-def _f64_attention(q, k, v, pos, kv_start):
-    """Causal GQA softmax attention in float64 (a query with position < 0: zeros)."""
-    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
-    b, t, hq, dh = q.shape
-    g = hq // k.shape[2]
-    out = np.zeros(q.shape)
-    for bb in range(b):
-        for tt in range(t):
-            p = int(pos[bb, tt])
-            if p < 0:
-                continue
-            keys = np.arange(kv_start[bb], kv_start[bb] + p + 1)
-            for h in range(hq):
-                s = k[bb, keys, h // g] @ q[bb, tt, h] * dh**-0.5
-                w = np.exp(s - s.max())
-                out[bb, tt, h] = (w / w.sum()) @ v[bb, keys, h // g]
-    return out
-
-
 # --- values -------------------------------------------------------------------------------------
 
 
@@ -105,7 +86,7 @@ def test_kernel_matches_float64(hq, hkv, dh):
     pos[1, 4] = -2  # a padding query: no keys, output +0
     pos = np.minimum(pos, s - 1 - kv_start[:, None])
     got = _run(q, k, v, pos, kv_start)
-    want = _f64_attention(q, k, v, pos, kv_start)
+    want = attention_f64(q, k, v, pos, kv_start)
     assert rel_err(got, want) < 4e-3, rel_err(got, want)
     assert np.all(got[1, 4].view(np.uint32) == 0) and np.isfinite(got).all()
     ref = np.asarray(
