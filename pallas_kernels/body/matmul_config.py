@@ -57,18 +57,21 @@ class TuningConfig:
 
 
 # M <= 64 (decode): one 64-row warpgroup per CTA and one column tile each, so that as many
-# CTAs as the weight has column tiles stream it. Larger M: whichever of the three tiles
-# finishes its waves soonest by `select`'s estimate (256 x 128 tiles of 2 warpgroups of
-# [128, 128], as cuBLAS-class GEMMs use, where they fill the SMs).
+# CTAs as the weight has column tiles stream it. Larger M: whichever of the tiles finishes its
+# waves soonest by `select`'s estimate (256 x 128 tiles of 2 warpgroups of [128, 128], as
+# cuBLAS-class GEMMs use, where they fill the SMs; 128 x 128 ("mid_wide") where 256-row tiles
+# would leave most SMs idle and 128 x 64 tiles would need a second wave, e.g. down_proj at
+# M = 512: 128 tiles of 128 x 128 are one wave of 132 SMs, 256 of 128 x 64 are two).
 DECODE = TuningConfig("decode", wg_rows=64, wgs=1, wg_cols=64, stages=12)
 MID = TuningConfig("mid", wg_rows=64, wgs=2, wg_cols=64, stages=8)
+MID_WIDE = TuningConfig("mid_wide", wg_rows=64, wgs=2, wg_cols=128, stages=6)
 PREFILL = TuningConfig("prefill", wg_rows=128, wgs=2, wg_cols=128, stages=4)
-BUCKETS = {c.name: c for c in (DECODE, MID, PREFILL)}
+BUCKETS = {c.name: c for c in (DECODE, MID, MID_WIDE, PREFILL)}
 DECODE_ROWS = 64
 # select's cost per output entry of a tile, relative to PREFILL's (a single consumer warpgroup
-# waits for each step's wgmma; smaller tiles read each operand more often). Estimates, not
-# measurements: bit-neutral, to be tuned on the H200.
-TILE_COST = {"decode": 1.5, "mid": 1.15, "prefill": 1.0}
+# waits for each step's wgmma; smaller tiles read each operand more often). Estimates:
+# bit-neutral, tuned against the measured ratios in docs/PERFORMANCE.md.
+TILE_COST = {"decode": 1.5, "mid": 1.15, "mid_wide": 1.1, "prefill": 1.0}
 
 
 def instruction_n(n: int) -> int:
@@ -111,7 +114,7 @@ def select(m: int, n: int, num_sms: int, bucket: "str | TuningConfig | None" = N
         waves = -(-tiles(cfg, m, n) // num_sms)
         return waves * cfg.cta_rows * accs_for(cfg, n, n_instr) * n_instr * TILE_COST[cfg.name]
 
-    return min((PREFILL, MID, DECODE), key=cost)
+    return min((PREFILL, MID_WIDE, MID, DECODE), key=cost)
 
 
 def stages_for(cfg: TuningConfig, n_instr: int, accs: int, out_bytes: int, slots: int) -> int:

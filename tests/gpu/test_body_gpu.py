@@ -31,6 +31,7 @@ from tests.helpers import rel_err, row_mismatches
 pytestmark = pytest.mark.gpu
 
 pm = pytest.importorskip("pallas_kernels.body.matmul")
+from pallas_kernels.body import matmul_config as mc  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096)}
 M_FULL = 4096
@@ -133,7 +134,7 @@ def test_buckets_and_cta_counts_give_the_same_bytes(proj):
     x, w = _operands(k, n, "kn", m=512, seed=5)
     run = lambda **kw: _np(pm.matmul(x, w, w_layout="kn", out_dtype=jnp.bfloat16, **kw))
     base = run()
-    for kw in (dict(bucket="decode"), dict(bucket="mid"), dict(bucket="prefill"), dict(num_ctas=7)):
+    for kw in [dict(bucket=b) for b in sorted(mc.BUCKETS)] + [dict(num_ctas=7)]:
         name = ",".join(f"{a}={b}" for a, b in kw.items())
         assert _record(f"{proj} M=512 {name} vs default", "ours", run(**kw), base) == 0
 
