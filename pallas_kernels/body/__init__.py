@@ -31,10 +31,9 @@ def body_entry() -> BodyBackend:
         supports_matmul=matmul.supports,
         attention=attention.attention,
         supports_attention=attention.supports,
-        # The attention kernel passes its CPU checks (interpret mode, CUDA lowering) but has not
-        # yet run on a GPU: "auto" takes it once `bash tests/gpu/h200_body_attention.sh` passes;
-        # until then it serves backend="pallas_sm90" only.
-        auto_ops=frozenset({"matmul"}),
+        # Both kernels passed their GPU tests (tests/gpu/test_body_gpu.py,
+        # tests/gpu/test_body_attention_gpu.py): "auto" takes them.
+        auto_ops=frozenset({"matmul", "attention"}),
         description="Pallas Mosaic GPU kernels for Hopper (sm_90): TMA + wgmma, one f32 accumulator, K ascending",
     )
 

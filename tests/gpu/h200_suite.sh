@@ -14,7 +14,6 @@
 set -u
 source "$(dirname "$0")/_stage.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the processes share the GPU's memory
-export DETLOGP_TEST_TIMEOUT_S=${DETLOGP_TEST_TIMEOUT_S:-240}  # a hung test prints its stacks
 LIMIT=${SUITE_LIMIT_S:-330}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PYTEST=(python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider)
