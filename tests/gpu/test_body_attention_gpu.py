@@ -289,12 +289,13 @@ def test_launch_configs_give_the_same_bytes(seqs):
 
 
 def test_auto_resolution_on_the_gpu(seqs):
-    """ "auto" takes the kernel where the backend lists attention in `auto_ops` (once this file
-    passed on the H200), else the reference; the kernel named explicitly refuses what it cannot
-    take (f32) with its reason."""
+    """ "auto" takes the kernel (`auto_ops` lists attention); an operand the kernel cannot take
+    (f32) falls back to the reference with a warning, and the kernel named explicitly refuses it
+    with its reason."""
     q, k, v = seqs
     gpu = body_backends.get("pallas_sm90")
-    want = "pallas_sm90" if gpu.auto_ops is None or "attention" in gpu.auto_ops else "reference"
+    assert "attention" in gpu.auto_ops, gpu.auto_ops
+    want = "pallas_sm90"
     assert body_backends.resolve("attention", "auto", q[:1, :4], k[:1], v[:1]).name == want
     assert body_backends.resolve("attention", "pallas_sm90", q[:1, :4], k[:1], v[:1]).name == "pallas_sm90"
     qf, kf = q[:1, :4].astype(jnp.float32), k[:1, :64].astype(jnp.float32)
