@@ -9,35 +9,36 @@
 #      B=64 over 4096 slots, prefill 8 x 1024 and 1 x 4096, vs XLA and cuDNN), the GEMM at the
 #      Qwen3-8B projections (M = 1, 64, 512, 4096, vs jnp.dot and cuBLAS), 4 Qwen3-8B layers
 #      (decode, prefill, the trainer's fwd+bwd): $OUT/body_{attention,gemm,layer}.{json,log}.
-# BODY_STAGES (comma-separated, default all): tests, attention, gemm, layer.
+# BODY_STAGES (comma-separated, run in the order given; default tests,attention,gemm,layer).
 # The GEMM's own GPU tests: python3 -m pytest -m gpu -q -s tests/gpu/test_body_gpu.py
 # (or the suite, bash tests/gpu/h200_suite.sh). Run from the repo root:  bash tests/gpu/h200_body.sh
 set -u
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=",${BODY_STAGES:-tests,attention,gemm,layer},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 step() {  # step NAME LIMIT CMD...: CMD under the limit, its output in $OUT/NAME.log, its tail shown
   local name=$1 limit=$2 t0; shift 2; t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name rc=$? $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-8}" "$OUT/$name.log"
 }
-if [[ $STAGES == *,tests,* ]]; then
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # two processes share the GPU
-  (TAILN=6 step main_job 240 python3 -m detlogp_jax.validate --out_dir /tmp/main_job
-   cp "$OUT/main_job.log" /tmp/main_job/ 2>/dev/null; tar czf "$OUT/main_job.tgz" -C /tmp main_job) &
-  TAILN=44 step pytest_body_attention 240 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider \
-    tests/gpu/test_body_attention_gpu.py
-  wait
-  unset XLA_PYTHON_CLIENT_PREALLOCATE
-fi
-if [[ $STAGES == *,attention,* ]]; then
-  TAILN=6 step body_attention 120 python3 -m benchmarks.body --ops attention --out "$OUT/body_attention.json"
-fi
-if [[ $STAGES == *,gemm,* ]]; then
-  TAILN=19 step body_gemm 90 python3 -m benchmarks.body --ops gemm --m 1,64,512,4096 --out "$OUT/body_gemm.json"
-fi
-if [[ $STAGES == *,layer,* ]]; then
-  TAILN=5 step body_layer 150 python3 -m benchmarks.body --ops layer --iters 8 --calls_per_sample 3 \
-    --out "$OUT/body_layer.json"
-fi
+IFS=, read -r -a CHOSEN <<< "${BODY_STAGES:-tests,attention,gemm,layer}"
+for st in "${CHOSEN[@]}"; do  # in the order given
+  case $st in
+    tests)
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false  # two processes share the GPU
+      (TAILN=6 step main_job 240 python3 -m detlogp_jax.validate --out_dir /tmp/main_job
+       cp "$OUT/main_job.log" /tmp/main_job/ 2>/dev/null; tar czf "$OUT/main_job.tgz" -C /tmp main_job) &
+      TAILN=44 step pytest_body_attention 240 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider \
+        tests/gpu/test_body_attention_gpu.py
+      wait
+      unset XLA_PYTHON_CLIENT_PREALLOCATE ;;
+    attention)
+      TAILN=6 step body_attention 120 python3 -m benchmarks.body --ops attention --out "$OUT/body_attention.json" ;;
+    gemm)
+      TAILN=19 step body_gemm 90 python3 -m benchmarks.body --ops gemm --m 1,64,512,4096 --out "$OUT/body_gemm.json" ;;
+    layer)
+      TAILN=5 step body_layer 150 python3 -m benchmarks.body --ops layer --iters 8 --calls_per_sample 3 \
+        --out "$OUT/body_layer.json" ;;
+    *) echo "unknown stage $st" >&2; exit 2 ;;
+  esac
+done
