@@ -201,21 +201,6 @@ class PtxOps:
 
         return self.program(ptx_programs.RCP, s)
 
-    def exp2_approx(self, x):
-        """2^x by the special-function unit, `ex2.approx.ftz.f32` per element: one instruction
-        whose result is a function of x alone on a given GPU (not the contract's pexp; used by
-        the body attention kernel, whose bytes are promised per backend and GPU only)."""
-        shape = tuple(jnp.shape(x))
-        layout = self._layout_of(shape)
-        ret = plgpu.ShapeDtypeStruct(shape, F32, layout=layout)
-
-        @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
-        def run(ctx, a):
-            del ctx
-            return a.exp2(approx=True)
-
-        return run(plgpu.layout_cast(x, layout))
-
     @staticmethod
     def flush(x):
         """FTZ of a result of these ops: the identity (every `.ftz` instruction flushes already)."""
@@ -254,11 +239,6 @@ class InterpretOps(numerics.XlaOps):
     def rcp(s):
         """fl(1 / s) via numerics.reciprocal_rn (integer operations only)."""
         return numerics.reciprocal_rn(s)
-
-    def exp2_approx(self, x):
-        """2^x in interpret mode: XLA:CPU's exp2, pinned (the GPU's `ex2.approx` has no CPU
-        twin; interpret mode checks that every path runs the same program, not GPU bits)."""
-        return self._pin(jnp.exp2(x))
 
     @staticmethod
     def flush(x):

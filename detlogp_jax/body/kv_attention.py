@@ -13,9 +13,7 @@ Contract kept by every invariant backend (`body_contract`, docs/BODY.md):
   Dh), keys at positions > p get s = -inf, then the online softmax of the operator's chain
   (`numerics.chain_step`: m' = max(m, max s); alpha = 1 if m' == m else pexp(m - m');
   e = pexp(s - m') on valid keys, +0 elsewhere; l' = fl(fl(l * alpha) + tree64(e)) with the
-  adjacent-pairwise tree; the exp is the backend's one fixed program: the reference uses the
-  contract's pinned pexp, the Hopper kernel the special-function unit's 2^x of base-2 scores,
-  `ex2.approx`, one instruction), and acc' = fl(acc * alpha) + sum_k e_k v_k
+  contract's pinned exp and adjacent-pairwise tree), and acc' = fl(acc * alpha) + sum_k e_k v_k
   (e rounded to the model dtype for the product; the backend's fixed f32 accumulation over the
   block's keys in ascending order);
 * out = fl(acc * fl(1 / l)) (`numerics.reciprocal_rn`), rounded once to the output dtype; a

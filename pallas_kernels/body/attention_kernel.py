@@ -1,4 +1,4 @@
-"""The body attention kernel for Hopper: causal GQA over a KV cache, one fixed chain per row.
+"""The body attention kernel for Hopper: causal GQA over a KV cache, the contract's chain per row.
 
 Operands (host side: `attention`): q_rows [B, Hkv, R, Dh] bf16, the queries of one KV head's
 group as rows r = t * G + g (query t, head g of the group; R padded to whole row tiles);
@@ -21,14 +21,10 @@ ascending order (`_block`):
 * S = wgmma(q [64, Dh], K.T) into a fresh f32 accumulator [64, 64]: m64n64k16 instructions,
   k ascending over Dh (one wgmma call per 64 columns of Dh, chained on the accumulator):
   per row the same instruction sequence whatever the other rows are;
-* s = fl(S * c), c = fl(scale * log2 e) (pinned multiply: scores in base 2); keys at
-  positions > p: s = -inf;
-* m' = max(m, max s) (exact); alpha = 1 if m' == m else ex2(fl(m - m')); e = ex2(fl(s - m'))
-  on valid keys, +0 elsewhere, where ex2 is the special-function unit's `ex2.approx.ftz.f32`
-  (`ops.exp2_approx`: one instruction, a function of its input alone on a given GPU; the
-  contract's pinned pexp costs ~35 instructions per score, which bounded the prefill by the
-  FP32 pipe); l' = fl(fl(l * alpha) + tree64(e)) (`tile_math.tree64`: the adjacent-pairwise
-  tree);
+* s = fl(S * scale) (pinned multiply); keys at positions > p: s = -inf;
+* m' = max(m, max s) (exact); alpha = 1 if m' == m else pexp(m - m'); e = pexp(s - m') on
+  valid keys, +0 elsewhere (`ops.exp_diff`: one pinned program per lane);
+  l' = fl(fl(l * alpha) + tree64(e)) (`tile_math.tree64`: the adjacent-pairwise tree);
 * acc' = wgmma(fl(acc * alpha), e in bf16 from registers, V): per 64 columns of Dh, the
   block's 64 keys ascending (m64n64k16 instructions) accumulated onto the rescaled accumulator;
 * a row whose last block is before j (64 j > p) keeps (m, l, acc) by a select.
@@ -133,7 +129,7 @@ def build(
     n_tiles, nd, wgs = rows // ROWS, dh // CHUNK, cfg.wgs
     out_dtype = jnp.dtype(out_dtype)
     stages = ac.stages_for(cfg, dh, out_dtype.itemsize)
-    scale2 = float(np.float32(np.float64(np.float32(scale)) * np.log2(np.e)))  # scale * log2(e), one f32
+    scale = float(np.float32(scale))
     load, cast = interpret_utils.load_and_cast(plgpu.Layout.WGMMA, interpret)
     row_load, row_cast = interpret_utils.load_and_cast(common.row_layout(), interpret)
     neg_inf = float("-inf")
@@ -314,14 +310,14 @@ def build(
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, KV), F32))
         plgpu.barrier_arrive(bar(k_free, slot))
-        s = ops.mul(s, scale2)  # log2-scaled scores
+        s = ops.mul(s, scale)
         if partial:
             key_pos = cast(lax.broadcasted_iota(jnp.int32, (ROWS, KV), 1)) + j * KV
             valid = key_pos <= jnp.broadcast_to(pos[:, None], (ROWS, KV))
             s = jnp.where(valid, s, jnp.asarray(neg_inf, F32))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp2_approx(ops.sub(m, m_new)))
-        e = ops.exp2_approx(ops.sub(s, jnp.broadcast_to(m_new[:, None], (ROWS, KV))))
+        alpha = jnp.where(m == m_new, jnp.asarray(1.0, F32), ops.exp_diff(m, m_new))
+        e = ops.exp_diff(s, jnp.broadcast_to(m_new[:, None], (ROWS, KV)))
         if partial:
             e = jnp.where(valid, e, jnp.asarray(0.0, F32))
         den_new = ops.add(ops.mul(den, alpha), tile_math.tree64(e, ops, interpret=interpret))
