@@ -29,7 +29,8 @@ those lines alone. After them (also with "base") the fused forward's lines (`fus
 the fold forming z_t from the split captures, a decode call's forward and fold with its rows
 unpadded); `... fused` prints them alone. `python -m benchmarks.mosaic_ir_hashes fold` prints
 the fold lines of "base" and "entropy" alone (with `fused`: every fold module, the guard of a
-change to `sm90_fold` only).
+change to `sm90_fold` only). `python -m benchmarks.mosaic_ir_hashes body` prints the batch-invariant
+body's kernels alone (`body_hashes`; never part of the default output).
 """
 
 from __future__ import annotations
@@ -249,12 +250,51 @@ def fused_hashes():
         yield f"fold staged zt_splits n_out={m}{' scalar_rows' if m % 8 else ''} (unpadded)", _digest(fold_module)
 
 
+def body_hashes():
+    """The batch-invariant body's kernels (appended after every op line; `... body` prints them
+    alone): the GEMM (`pallas_kernels.body.matmul`) at the Qwen3-8B projections, both weight
+    layouts, every M bucket forced (M = 1, 65, 130, 512 by bucket), bf16 output, 132 CTAs; the
+    attention (`pallas_kernels.body.attention`) at the Qwen3-8B heads in every launch config,
+    for a decode step (B=64 over 4096 slots) and a prefill (8 x 1024), bf16 output."""
+    from pallas_kernels.body import attention as pa
+    from pallas_kernels.body import attention_config as ac
+    from pallas_kernels.body import matmul as pm
+    from pallas_kernels.body import matmul_config as mc
+
+    projections = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096)}
+    rows = {"decode": 1, "mid": 65, "mid_wide": 130, "prefill": 512}
+    for proj, (k, n) in projections.items():
+        for layout in ("kn", "nk"):
+            w = _sds((k, n) if layout == "kn" else (n, k), jnp.bfloat16)
+            for bucket in sorted(mc.BUCKETS):
+                m = rows[bucket]
+
+                def gemm(x, w, layout=layout, bucket=bucket):
+                    return pm.matmul(x, w, w_layout=layout, out_dtype=jnp.bfloat16, bucket=bucket, num_ctas=132)
+
+                jax.jit(gemm).trace(_sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",))
+                yield f"body gemm {proj} {layout} M={m} {bucket}", _take()
+    hq, hkv, dh = 32, 8, 128
+    for case, (b, t, s) in {"decode": (64, 1, 4096), "prefill": (8, 1024, 1024)}.items():
+        for config in sorted(ac.CONFIGS):
+
+            def attn(q, k, v, pos, ks, config=config):
+                return pa.attention(
+                    q, k, v, q_positions=pos, kv_start=ks, scale=dh**-0.5, out_dtype=jnp.bfloat16, config=config
+                )
+
+            args = (_sds((b, t, hq, dh), jnp.bfloat16),) + (_sds((b, s, hkv, dh), jnp.bfloat16),) * 2
+            args += (_sds((b, t), jnp.int32), _sds((b,), jnp.int32))
+            jax.jit(attn).trace(*args).lower(lowering_platforms=("cuda",))
+            yield f"body attention {case} B={b} T={t} S={s} {config}", _take()
+
+
 def main(argv=None):
     which = (sys.argv[1:] if argv is None else argv) or ["base", "entropy"]
-    bad = set(which) - {"base", "entropy", "walk", "fused", "fold"}
+    bad = set(which) - {"base", "entropy", "walk", "fused", "fold", "body"}
     if bad:
         raise SystemExit(
-            "usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk] [fused] [fold]; "
+            "usage: python -m benchmarks.mosaic_ir_hashes [base] [entropy] [walk] [fused] [fold] [body]; "
             f"unknown {sorted(bad)}"
         )
     _capture_modules()
@@ -273,6 +313,8 @@ def main(argv=None):
         gens.append(walk_hashes)
     if "base" in which or "fused" in which:  # "fused" alone: the fused forward's lines only
         gens.append(fused_hashes)
+    if "body" in which and "base" not in which:  # "body" alone: the body's lines only
+        gens.append(body_hashes)
     for gen in gens:
         for name, digest in gen():
             print(f"{digest}  {name}", flush=True)

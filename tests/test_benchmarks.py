@@ -546,6 +546,25 @@ def test_mosaic_ir_hashes_fold_selector_prints_the_fold_lines(monkeypatch, capsy
         mh.main(["folds"])
 
 
+def test_mosaic_ir_hashes_body_set_names_the_body_kernels(monkeypatch):
+    """`python -m benchmarks.mosaic_ir_hashes body`: its first lines are the body GEMM's buckets
+    at the q/o projection ([K, N] layout), one distinct 16-hex digest per bucket (the launch
+    geometry is in the module)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    import itertools
+
+    from benchmarks import mosaic_ir_hashes as mh
+    from pallas_kernels.body import matmul_config as mc
+
+    monkeypatch.setattr(mh.mosaic_core, "_run_serde_pass", mh.mosaic_core._run_serde_pass)
+    monkeypatch.setattr(mh, "_captured", [])
+    mh._capture_modules()
+    got = dict((name, digest) for name, digest in itertools.islice(mh.body_hashes(), len(mc.BUCKETS)))
+    assert [n.split()[-1] for n in got] == sorted(mc.BUCKETS), list(got)
+    assert all(n.startswith("body gemm q/o kn M=") for n in got), list(got)
+    assert len(set(got.values())) == len(got) and all(len(d) == 16 for d in got.values())
+
+
 @pytest.mark.slow
 def test_chain_stand_ins_replace_the_chain_only_inside_the_block(monkeypatch):
     """benchmarks.experiments.chain_stand_ins (probe_kernel's chain18, power_probe --stand_ins):
