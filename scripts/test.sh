@@ -24,19 +24,21 @@ case "$TIER" in
   slow) MARK="slow" ;;
   *) MARK="" ;;
 esac
-DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider -n ${DETLOGP_TEST_WORKERS:-2} --dist loadfile${MARK:+ -m '$MARK'}"
-[ "$TIER" = paths ] && DETLOGP_WHAT+="$(printf ' %q' "$@")"
-[ "$TIER" = paths ] || [ "${TUNIX_TEST_SKIP:-0}" = 1 ] || DETLOGP_WHAT+=" && bash scripts/test_tunix.sh${MARK:+ -m '$MARK'}"
+WORKERS="${DETLOGP_TEST_WORKERS:-2}"
+PAR=()  # the tiers' workers (dropped below where pytest-xdist is missing)
+[ "$TIER" = paths ] || [ "$WORKERS" -le 1 ] || PAR=(-n "$WORKERS" --dist loadfile)
+SEL=("$@")  # the paths tier: the caller's paths and pytest args; a tier: its mark
+[ -z "$MARK" ] || SEL=(-m "$MARK")
+TUNIX=0
+[ "$TIER" = paths ] || [ "${TUNIX_TEST_SKIP:-0}" = 1 ] || TUNIX=1
+DETLOGP_WHAT="python -m pytest -q -p no:cacheprovider$(printf ' %q' "${PAR[@]}" "${SEL[@]}")"
+[ "$TUNIX" = 0 ] || DETLOGP_WHAT+=" && bash scripts/test_tunix.sh$(printf ' %q' "${SEL[@]}")"
 T0=$(date +%s)
 source "$(dirname "$0")/_env.sh"
 if [ "$TIER" = paths ]; then
   exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
 fi
-WORKERS="${DETLOGP_TEST_WORKERS:-2}"
-PAR=()
-if [ "$WORKERS" -gt 1 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then PAR=(-n "$WORKERS" --dist loadfile); fi
-TUNIX=0
-[ "${TUNIX_TEST_SKIP:-0}" = 1 ] || TUNIX=1
+[ "${#PAR[@]}" = 0 ] || "$PYTHON" -c "import xdist" 2>/dev/null || PAR=()
 if [ "$TUNIX" = 1 ]; then  # the Tunix venv builds (pip: mostly downloads) while the suite runs
   TUNIX_BUILD_LOG="$(mktemp)"
   bash "$(dirname "$0")/test_tunix.sh" --build >"$TUNIX_BUILD_LOG" 2>&1 &
@@ -44,14 +46,14 @@ if [ "$TUNIX" = 1 ]; then  # the Tunix venv builds (pip: mostly downloads) while
 fi
 status=0
 ok() { "$@" || { local rc=$?; [ "$rc" = 5 ] || return "$rc"; }; }  # pytest's 5: no test of this tier here
-ok "$PYTHON" -m pytest -q -p no:cacheprovider "${PAR[@]}" ${MARK:+-m "$MARK"} || status=$?
+ok "$PYTHON" -m pytest -q -p no:cacheprovider "${PAR[@]}" "${SEL[@]}" || status=$?
 if [ "$TUNIX" = 1 ]; then
   if ! wait "$TUNIX_BUILD"; then
     cat "$TUNIX_BUILD_LOG" >&2
     echo "error: the Tunix test venv did not build (scripts/test_tunix.sh --build)" >&2
     [ "$status" != 0 ] || status=1
   elif [ "$status" = 0 ]; then
-    ok bash "$(dirname "$0")/test_tunix.sh" ${MARK:+-m "$MARK"} || status=$?
+    ok bash "$(dirname "$0")/test_tunix.sh" "${SEL[@]}" || status=$?
   fi
   rm -f "$TUNIX_BUILD_LOG"
 fi

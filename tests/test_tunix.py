@@ -250,13 +250,13 @@ def test_unknown_and_softcapped_models_refused():
 # --- the sampler side ---------------------------------------------------------------------
 
 
-def _sampler(model):
+def _sampler(model, cache_size=24):
     cfg = model.config
     return sampler_lib.Sampler(
         model,
         WordTokenizer(),
         sampler_lib.CacheConfig(
-            cache_size=24, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+            cache_size=cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
         ),
     )
 
@@ -633,22 +633,11 @@ BODY_STEPS, BODY_T = 6, 0.7
 BODY_CACHE = 72  # > 64 slots: the sampler's cache spans two of body.attention's KV blocks, the trainer's one
 
 
-def _body_sampler(model):
-    cfg = model.config
-    return sampler_lib.Sampler(
-        model,
-        WordTokenizer(),
-        sampler_lib.CacheConfig(
-            cache_size=BODY_CACHE, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
-        ),
-    )
-
-
 def _body_rollout(model, seed=3, sampler=None):
     """Tunix's vanilla Sampler (patched), a batch of 4 prompts of different lengths left-padded to 8:
     (prompts, completions, recorded logprobs), each cut at EOS (Tunix's own cut) and at a sampled pad id
     (after which Tunix's sampler and trainer positions differ by design)."""
-    s = _body_sampler(model) if sampler is None else sampler
+    s = _sampler(model, BODY_CACHE) if sampler is None else sampler
     out = s(
         BODY_PROMPTS,
         max_generation_steps=BODY_STEPS,
@@ -731,7 +720,7 @@ def test_without_the_body_patch_the_same_comparison_drifts(monkeypatch, record_p
     of the sampler and of the trainer already differ (the drift is the body's, not the head's). The same
     Sampler then patched with the body compiles its steps anew (its compiled steps are keyed by the body)."""
     model = make_model("qwen3", False)
-    s = _body_sampler(model)
+    s = _sampler(model, BODY_CACHE)
     seen = []  # the sampler's final hidden states, per step
     real = dt.token_logps
 

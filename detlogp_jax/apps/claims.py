@@ -123,8 +123,7 @@ def build_claims(
     op, e2e = rows[0], rows[1]
     op_exact = op["mismatch_count"] == 0 and op["nonfinite"] == 0
     body_only = bool(e2e["mismatch_count"]) and op["mismatch_count"] == 0
-    invariant = body == "batch_invariant"
-    if invariant:
+    if body == "batch_invariant":
         e2e_status = _status(e2e["mismatch_count"] == 0 and e2e["nonfinite"] == 0)
     else:
         e2e_status = "PASS" if e2e["mismatch_count"] == 0 else "DRIFT (body)" if op["mismatch_count"] == 0 else "DRIFT"

@@ -464,6 +464,11 @@ def trainer_copy(s: Setup, rollout: Rollout) -> tuple[ToyLM, str]:
     return trainer, fp
 
 
+def _unpack(packed, perm, shape) -> np.ndarray:
+    """Packed rows (row r holds rollout row perm[r]) back in the rollout's order, as float32 `shape`."""
+    return np.asarray(packed, np.float32)[np.argsort(perm)].reshape(shape)
+
+
 def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> TrainerScores:
     """Re-scores every sampled token in one packed, shuffled batch (M = batch * steps rows).
 
@@ -475,8 +480,6 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
     B, S, P = cfg.batch, cfg.steps, s.prompt_len
     N = B * S
     perm = np.asarray(jax.random.permutation(s.k_perm, N))
-    inv = np.empty_like(perm)
-    inv[perm] = np.arange(N)
     tgt = jnp.asarray(rollout.tokens.reshape(N)[perm])
 
     @nnx.jit
@@ -501,7 +504,7 @@ def score_trainer(s: Setup, rollout: Rollout, trainer: ToyLM, fp: str) -> Traine
         return out.logp
 
     def unpack(x):
-        return np.asarray(x, np.float32)[inv].reshape(B, S)
+        return _unpack(x, perm, (B, S))
 
     h_a = jnp.asarray(rollout.hidden.reshape(N, -1)[perm])
     s.prog.note(f"trainer: scoring {N} packed rows (operator)")
@@ -605,13 +608,11 @@ def compare_xla_body(s: Setup, rollout: Rollout, ts: TrainerScores) -> BodyCompa
     h_roll = np.stack(hs, axis=1)  # [B, S, D]
     h_tr = trainer_hidden(s, ts.trainer, rollout.tokens_full, body="xla")[:, P - 1 : P - 1 + S]
     N = B * S
-    inv = np.empty_like(ts.perm)
-    inv[ts.perm] = np.arange(N)
     trainer_logp = np.asarray(ts.score(ts.trainer, jnp.asarray(h_tr.reshape(N, -1)[ts.perm]), ts.targets_packed))
     rows, mad = row_mismatch(h_roll.reshape(N, -1), h_tr.reshape(N, -1))
     return BodyComparison(
         rollout_logp=np.stack(logps, axis=1).astype(np.float32),
-        trainer_logp=np.asarray(trainer_logp, np.float32)[inv].reshape(B, S),
+        trainer_logp=_unpack(trainer_logp, ts.perm, (B, S)),
         hidden_rows_differ=rows,
         hidden_max_abs_diff=mad,
     )

@@ -9,8 +9,7 @@ baseline lane.
 Resolution follows the operator's rules (`detlogp_jax.backends.resolve`), with the same
 strict mode (`detlogp_jax.strict_mode()` / DETLOGP_STRICT):
 
-* "auto": per op, "pallas_sm90" where it is available here and lists the op in its `auto_ops`
-  (the ops whose kernels passed their GPU validation), else "reference";
+* "auto": per op, "pallas_sm90" where it is available here and has the op, else "reference";
   if the chosen backend cannot serve these operands, auto falls back to "reference" with a
   warning.
 * an explicit name that cannot serve (unavailable here, no such op, operands refused)
@@ -80,9 +79,6 @@ class BodyBackend:
     attention: Callable | None = None
     supports_attention: Callable | None = None
     description: str = ""
-    # The ops "auto" takes from this backend (None: every op it has). A kernel is listed once
-    # its GPU validation passed; until then it serves only when named explicitly.
-    auto_ops: frozenset | None = None
 
     @property
     def contract_bearing(self) -> bool:
@@ -117,12 +113,11 @@ register, names, get, plugin_specs = _PLUGINS.register, _PLUGINS.names, _PLUGINS
 
 
 def preferred(op: str) -> str:
-    """What "auto" asks for first for `op`: "pallas_sm90" where it is available here, has the
-    op and lists it in `auto_ops`, else "reference"."""
+    """What "auto" asks for first for `op`: "pallas_sm90" where it is available here and has
+    the op, else "reference"."""
     try:
         gpu = get("pallas_sm90")
-        takes = gpu.auto_ops is None or op in gpu.auto_ops
-        if gpu.available() and getattr(gpu, op) is not None and takes:
+        if gpu.available() and getattr(gpu, op) is not None:
             return "pallas_sm90"
     except Exception:  # a broken plugin is simply not preferred
         pass

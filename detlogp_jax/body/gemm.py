@@ -30,6 +30,7 @@ from jax import lax
 
 from detlogp_jax import layout, numerics
 from detlogp_jax.body import backends as body_backends
+from detlogp_jax.body.plain_backward import with_plain_backward
 
 __all__ = [
     "DTYPES",
@@ -109,38 +110,16 @@ def matmul(x, w, *, w_layout: str = "kn", out_dtype=None, backend: str = "auto")
     if x2.shape[0] == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     impl = body_backends.resolve("matmul", backend, x2, w, w_layout)
-    if impl.invariant:  # kernels and pinned formulations: the backward is XLA's (`_invariant_matmul`)
-        y = _invariant_matmul(x2, w, w_layout, out_dtype, impl.name)
+    if impl.invariant:  # kernels and pinned formulations: the backward is XLA's (`plain_backward`)
+        forward = functools.partial(impl.matmul, w_layout=w_layout, out_dtype=out_dtype)
+
+        def plain(x2, w):  # one XLA GEMM accumulating in f32, rounded once
+            return xla_matmul(x2, w, w_layout=w_layout, out_dtype=F32).astype(out_dtype)
+
+        y = with_plain_backward(forward, plain, x2, w)
     else:
         y = impl.matmul(x2, w, w_layout=w_layout, out_dtype=out_dtype)
     return y.reshape(lead + (n,))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _invariant_matmul(x2, w, w_layout, out_dtype, backend_name):
-    """An invariant backend's forward; its backward is plain XLA GEMMs (dx = g @ W^T, dW = x^T g
-    in W's layout, f32 accumulation): correct, deterministic run to run, not batch invariant (a
-    trainer needs the forward's bytes to equal the rollout's, not the gradient's)."""
-    return body_backends.get(backend_name).matmul(x2, w, w_layout=w_layout, out_dtype=out_dtype)
-
-
-def _invariant_matmul_fwd(x2, w, w_layout, out_dtype, backend_name):
-    return _invariant_matmul(x2, w, w_layout, out_dtype, backend_name), (x2, w)
-
-
-def _invariant_matmul_bwd(w_layout, out_dtype, backend_name, res, g):
-    x2, w = res
-    lay = w_layout_of(w_layout)
-    g = g.astype(x2.dtype)
-    dx = lax.dot_general(g, w, (((1,), (lay.vocab_axis,)), ((), ())), preferred_element_type=F32)
-    if lay.transposed:  # "kn": W [K, N], dW = x^T g
-        dw = lax.dot_general(x2, g, (((0,), (0,)), ((), ())), preferred_element_type=F32)
-    else:  # "nk": W [N, K], dW = g^T x
-        dw = lax.dot_general(g, x2, (((0,), (0,)), ((), ())), preferred_element_type=F32)
-    return dx.astype(x2.dtype), dw.astype(w.dtype)
-
-
-_invariant_matmul.defvjp(_invariant_matmul_fwd, _invariant_matmul_bwd)
 
 
 # --- the reference formulation ------------------------------------------------------------

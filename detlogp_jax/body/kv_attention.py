@@ -43,6 +43,7 @@ from jax import lax
 
 from detlogp_jax import numerics
 from detlogp_jax.body import backends as body_backends
+from detlogp_jax.body.plain_backward import with_plain_backward
 
 __all__ = [
     "DTYPES",
@@ -108,34 +109,18 @@ def attention(q, k, v, *, q_positions, kv_start=None, scale=None, out_dtype=None
     if q.shape[1] == 0 or q.shape[0] == 0:
         return jnp.zeros(q.shape, out_dtype)
     impl = body_backends.resolve("attention", backend, q, k, v)
-    if impl.invariant:  # kernels and pinned formulations: the backward is XLA's (`_invariant_attention`)
-        return _invariant_attention(q, k, v, qp, ks, scale, out_dtype, impl.name)
-    return impl.attention(q, k, v, q_positions=qp, kv_start=ks, scale=scale, out_dtype=out_dtype)
+    static = dict(scale=scale, out_dtype=out_dtype)
+    if not impl.invariant:
+        return impl.attention(q, k, v, q_positions=qp, kv_start=ks, **static)
 
+    def forward(q, k, v, qp, ks):
+        return impl.attention(q, k, v, q_positions=qp, kv_start=ks, **static)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _invariant_attention(q, k, v, q_positions, kv_start, scale, out_dtype, backend_name):
-    """An invariant backend's forward; its backward is the plain formulation's (`xla_attention`,
-    autodiff): correct, deterministic run to run, not batch invariant."""
-    impl = body_backends.get(backend_name)
-    return impl.attention(q, k, v, q_positions=q_positions, kv_start=kv_start, scale=scale, out_dtype=out_dtype)
+    def plain(q, k, v, qp, ks):
+        return xla_attention(q, k, v, q_positions=qp, kv_start=ks, **static)
 
-
-def _invariant_attention_fwd(q, k, v, q_positions, kv_start, scale, out_dtype, backend_name):
-    out = _invariant_attention(q, k, v, q_positions, kv_start, scale, out_dtype, backend_name)
-    return out, (q, k, v, q_positions, kv_start)
-
-
-def _invariant_attention_bwd(scale, out_dtype, backend_name, res, g):
-    q, k, v, q_positions, kv_start = res
-    plain = lambda q, k, v: xla_attention(  # noqa: E731
-        q, k, v, q_positions=q_positions, kv_start=kv_start, scale=scale, out_dtype=out_dtype
-    )
-    _, vjp = jax.vjp(plain, q, k, v)
-    return (*vjp(g), None, None)
-
-
-_invariant_attention.defvjp(_invariant_attention_fwd, _invariant_attention_bwd)
+    # kernels and pinned formulations: the backward is the plain formulation's (`plain_backward`)
+    return with_plain_backward(forward, plain, q, k, v, qp, ks)
 
 
 # --- the reference formulation ------------------------------------------------------------

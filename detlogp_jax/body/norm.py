@@ -26,6 +26,7 @@ from jax import lax
 
 from detlogp_jax import contract as C
 from detlogp_jax import numerics
+from detlogp_jax.body.plain_backward import with_plain_backward
 
 __all__ = ["rms_norm"]
 
@@ -49,29 +50,11 @@ def _rms_norm(x, scale, *, eps: float, out_dtype):
     return ops.mul(xf, factor).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm_vjp(x, scale, eps, out_dtype):
-    """`_rms_norm` with the plain formulation's backward (autodiff of jnp ops in f32; the
-    pinned ops' bit casts have no derivative): correct, not batch invariant."""
-    return _rms_norm(x, scale, eps=eps, out_dtype=out_dtype)
-
-
-def _plain(x, scale, eps, out_dtype):
+def _plain(x, scale, *, eps: float, out_dtype):
+    """The backward's formulation: jnp RMSNorm in f32."""
     xf = x.astype(F32)
     inv = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * (inv * scale.astype(F32))).astype(out_dtype)
-
-
-def _rms_norm_fwd(x, scale, eps, out_dtype):
-    return _rms_norm_vjp(x, scale, eps, out_dtype), (x, scale)
-
-
-def _rms_norm_bwd(eps, out_dtype, res, g):
-    _, vjp = jax.vjp(lambda x, s: _plain(x, s, eps, out_dtype), *res)
-    return vjp(g)
-
-
-_rms_norm_vjp.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rms_norm(x, scale, eps: float = 1e-6, *, out_dtype=None) -> jax.Array:
@@ -85,4 +68,6 @@ def rms_norm(x, scale, eps: float = 1e-6, *, out_dtype=None) -> jax.Array:
         raise ValueError(f"scale must be [D] for x [..., D], got x {x.shape}, scale {scale.shape}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
-    return _rms_norm_vjp(x, scale, float(eps), jnp.dtype(x.dtype if out_dtype is None else out_dtype))
+    static = dict(eps=float(eps), out_dtype=jnp.dtype(x.dtype if out_dtype is None else out_dtype))
+    forward, plain = functools.partial(_rms_norm, **static), functools.partial(_plain, **static)
+    return with_plain_backward(forward, plain, x, scale)

@@ -270,6 +270,17 @@ def _jit_hidden_states(model, input_tokens, kwargs, body):
     return _jit_hidden_states_impl(*nnx.split(model), input_tokens, arrays, static=static, body=body)
 
 
+def _forward_hidden(model, head: _Head, input_tokens, kwargs):
+    """`_hidden_states`, or, while `patch(body=...)` is active, the model checked against the
+    body's coverage and the forward compiled (as the sampler's steps are: eager RoPE rounds
+    otherwise than its compiled form)."""
+    body = _active_body()
+    if body is None:
+        return _hidden_states(model, head, input_tokens, kwargs)
+    _check_body(model)
+    return _jit_hidden_states(model, input_tokens, kwargs, body)
+
+
 def hidden_states(model, input_tokens, **model_kwargs):
     """(final hidden states [B, L, D], new cache) of a Tunix model: its own ``__call__``
     (``positions=``, ``cache=``, ``attention_mask=``, ...) with the lm_head replaced by an
@@ -278,10 +289,7 @@ def hidden_states(model, input_tokens, **model_kwargs):
     model is checked against the body's coverage and the forward runs compiled (as
     `per_token_logps`)."""
     model = _fresh(model)
-    if _active_body() is not None:
-        _check_body(model)
-        return _jit_hidden_states(model, input_tokens, model_kwargs, _active_body())
-    return _hidden_states(model, _head(model), input_tokens, model_kwargs)
+    return _forward_hidden(model, _head(model), input_tokens, model_kwargs)
 
 
 # --- the op ------------------------------------------------------------------------------
@@ -494,13 +502,11 @@ def per_token_logps(
     model = _fresh(model)
     head = _head(model)
     packed = segment_ids is not None
-    if _active_body() is not None:
-        _check_body(model)
-        if packed:
-            raise NotImplementedError(
-                "patch(body='batch_invariant') does not cover packed sequences (segment_ids / segment_positions): "
-                "body.attention attends one sequence per row, from its first real slot"
-            )
+    if packed and _active_body() is not None:
+        raise NotImplementedError(
+            "patch(body='batch_invariant') does not cover packed sequences (segment_ids / segment_positions): "
+            "body.attention attends one sequence per row, from its first real slot"
+        )
     input_tokens, positions, attn_mask, input_seg_ids = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions
     )
@@ -519,10 +525,7 @@ def per_token_logps(
             kwargs["segment_ids"] = input_seg_ids
     if images is not None:
         kwargs["images"] = images
-    if _active_body() is not None:  # compiled, as the sampler's steps are (eager RoPE rounds otherwise)
-        hidden, _ = _jit_hidden_states(model, input_tokens, kwargs, _active_body())
-    else:
-        hidden, _ = _hidden_states(model, head, input_tokens, kwargs)
+    hidden, _ = _forward_hidden(model, head, input_tokens, kwargs)
 
     keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
     h = hidden[:, hidden.shape[1] - keep - 1 : hidden.shape[1] - 1]

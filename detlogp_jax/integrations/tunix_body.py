@@ -98,9 +98,8 @@ class UnsupportedModelError(TypeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    name: str  # the integration's adapter name
+    name: str  # the integration's adapter name (also the key of its Attention.block builder)
     module: str
-    attention: str  # the replaced Attention.block's builder, by family
     rmsnorm: str  # "module_dtype" (Qwen: out dtype = module.dtype) | "input_dtype" (Llama3)
 
     def mod(self):
@@ -108,9 +107,9 @@ class _Family:
 
 
 COVERED: dict[str, _Family] = {
-    "qwen3": _Family("qwen3", "tunix.models.qwen3.model", "qwen3", "module_dtype"),
-    "qwen2": _Family("qwen2", "tunix.models.qwen2.model", "qwen2", "module_dtype"),
-    "llama3": _Family("llama3", "tunix.models.llama3.model", "llama3", "input_dtype"),
+    "qwen3": _Family("qwen3", "tunix.models.qwen3.model", "module_dtype"),
+    "qwen2": _Family("qwen2", "tunix.models.qwen2.model", "module_dtype"),
+    "llama3": _Family("llama3", "tunix.models.llama3.model", "input_dtype"),
 }
 REFUSED = {
     "gemma3": (
@@ -302,7 +301,7 @@ def replacements(backend: str) -> list[tuple[Any, str, Callable]]:
     out = []
     for family in COVERED.values():
         mod = family.mod()
-        out.append((mod.Attention, "block", _BLOCKS[family.attention](mod, backend)))
+        out.append((mod.Attention, "block", _BLOCKS[family.name](mod, backend)))
         out.append((mod.MLP, "block", _mlp_block(mod, backend)))
         out.append((mod.RMSNorm, "__call__", _rms_norm_call(family)))
     return out
@@ -320,10 +319,13 @@ def check_model(model, adapter_name: str) -> None:
         )
     family = COVERED[adapter_name]
     mod = family.mod()
-    if getattr(model.config, "num_experts", None):
-        _no_experts(model)
-    expect = (("attn", mod.Attention), ("mlp", mod.MLP), ("input_layernorm", mod.RMSNorm))
-    expect += (("post_attention_layernorm", mod.RMSNorm),)
+    _no_experts(model)
+    expect = (
+        ("attn", mod.Attention),
+        ("mlp", mod.MLP),
+        ("input_layernorm", mod.RMSNorm),
+        ("post_attention_layernorm", mod.RMSNorm),
+    )
     for i, layer in enumerate(model.layers):
         for name, cls in expect:
             got = getattr(layer, name, None)

@@ -31,9 +31,6 @@ def body_entry() -> BodyBackend:
         supports_matmul=matmul.supports,
         attention=attention.attention,
         supports_attention=attention.supports,
-        # Both kernels passed their GPU tests (tests/gpu/test_body_gpu.py,
-        # tests/gpu/test_body_attention_gpu.py): "auto" takes them.
-        auto_ops=frozenset({"matmul", "attention"}),
         description="Pallas Mosaic GPU kernels for Hopper (sm_90): TMA + wgmma, one f32 accumulator, K ascending",
     )
 

@@ -13,31 +13,25 @@
 # The GEMM's own GPU tests: python3 -m pytest -m gpu -q -s tests/gpu/test_body_gpu.py
 # (or the suite, bash tests/gpu/h200_suite.sh). Run from the repo root:  bash tests/gpu/h200_body.sh
 set -u
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGE_DIRECT=1 source "$(dirname "$0")/_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
-step() {  # step NAME LIMIT CMD...: CMD under the limit, its output in $OUT/NAME.log, its tail shown
-  local name=$1 limit=$2 t0; shift 2; t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name rc=$? $(( $(date +%s) - t0 ))s"; tail -n "${TAILN:-8}" "$OUT/$name.log"
-}
 IFS=, read -r -a CHOSEN <<< "${BODY_STAGES:-tests,attention,gemm,layer}"
 for st in "${CHOSEN[@]}"; do  # in the order given
   case $st in
     tests)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false  # two processes share the GPU
-      (TAILN=6 step main_job 240 python3 -m detlogp_jax.validate --out_dir /tmp/main_job
+      (TAILN=6 stage main_job 240 python3 -m detlogp_jax.validate --out_dir /tmp/main_job
        cp "$OUT/main_job.log" /tmp/main_job/ 2>/dev/null; tar czf "$OUT/main_job.tgz" -C /tmp main_job) &
-      TAILN=44 step pytest_body_attention 240 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider \
+      TAILN=44 stage pytest_body_attention 240 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider \
         tests/gpu/test_body_attention_gpu.py
       wait
       unset XLA_PYTHON_CLIENT_PREALLOCATE ;;
     attention)
-      TAILN=6 step body_attention 120 python3 -m benchmarks.body --ops attention --out "$OUT/body_attention.json" ;;
+      TAILN=6 stage body_attention 120 python3 -m benchmarks.body --ops attention --out "$OUT/body_attention.json" ;;
     gemm)
-      TAILN=19 step body_gemm 90 python3 -m benchmarks.body --ops gemm --m 1,64,512,4096 --out "$OUT/body_gemm.json" ;;
+      TAILN=19 stage body_gemm 90 python3 -m benchmarks.body --ops gemm --m 1,64,512,4096 --out "$OUT/body_gemm.json" ;;
     layer)
-      TAILN=5 step body_layer 150 python3 -m benchmarks.body --ops layer --iters 8 --calls_per_sample 3 \
+      TAILN=5 stage body_layer 150 python3 -m benchmarks.body --ops layer --iters 8 --calls_per_sample 3 \
         --out "$OUT/body_layer.json" ;;
     *) echo "unknown stage $st" >&2; exit 2 ;;
   esac

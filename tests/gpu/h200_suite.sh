@@ -11,7 +11,7 @@
 # SUITE_GROUPS (comma-separated, default all), SUITE_LIMIT_S (each group's limit, default 540),
 # SUITE_DUMP=1: the body attention kernels' Mosaic GPU dumps (.ptx, .ptxas) as $OUT/mosaic_dump.tgz.
 # Each group's log is written straight to $OUT/<group>.log (what finished comes back even if the
-# call is cut short); $OUT/suite_summary.txt has one line per group (rc, seconds).
+# call is cut short); $OUT/suite_summary.txt has each group's rc, seconds and last lines.
 # Seen on an H100 (the groups side by side): body_gemm 77 s, body_attention 170 s, golden 91 s;
 # test_api_gpu.py 149 s and test_grad_gpu.py 202 s each alone; test_pallas_gpu.py had run 16 of
 # its 35 tests after 300 s. So the whole suite takes two calls:
@@ -19,17 +19,13 @@
 #   SUITE_GROUPS=api_grad,body_gemm,body_attention bash tests/gpu/h200_suite.sh
 # Run from the repo root:  bash tests/gpu/h200_suite.sh
 set -u
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGE_DIRECT=1 source "$(dirname "$0")/_stage.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the processes share the GPU's memory
 LIMIT=${SUITE_LIMIT_S:-540}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PYTEST=(python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider)
-group() {  # group NAME CMD...: runs CMD under the limit, its log in $OUT/NAME.log
-  local name=$1 t0; shift; t0=$(date +%s)
-  timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - t0 ))s" >> "$OUT/suite_summary.txt"
-}
+group() {  # one group (run in the background): its stage lines appended to the summary at once
+  local lines; lines=$(TAILN=3 stage "$1" "$LIMIT" "${@:2}"); echo "$lines" >> "$OUT/suite_summary.txt"; }
 : > "$OUT/suite_summary.txt"
 IFS=, read -r -a CHOSEN <<< "${SUITE_GROUPS:-body_attention,body_gemm,api_grad,pallas,golden}"
 for g in "${CHOSEN[@]}"; do
@@ -49,5 +45,4 @@ for g in "${CHOSEN[@]}"; do
   esac
 done
 wait
-echo "=== suite"; cat "$OUT/suite_summary.txt"
-for g in "${CHOSEN[@]}"; do echo "=== $g"; grep -E "passed|failed|error|FAIL|Error" "$OUT/$g.log" | tail -n 6; done
+cat "$OUT/suite_summary.txt"

@@ -13,7 +13,7 @@ At the Qwen3-8B attention heads (Hq = 32, Hkv = 8, Dh = 128), bf16 q / k / v, 8 
   NaN / inf past the keys): 0 rows differing for ours (asserted); the counts of plain XLA
   (`backend="xla"`) and of cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`,
   where it expresses the case) over the clean caches are recorded, not asserted;
-* the launch configs give the same bytes (asserted); auto resolves as `auto_ops` says.
+* the launch configs give the same bytes (asserted); auto takes the kernel.
 At the end a table: one line per check, `rows_differing / rows` and max_abs_diff (a row is one
 (sequence, query, head), Dh values).
 """
@@ -289,18 +289,13 @@ def test_launch_configs_give_the_same_bytes(seqs):
 
 
 def test_auto_resolution_on_the_gpu(seqs):
-    """ "auto" takes the kernel (`auto_ops` lists attention); an operand the kernel cannot take
-    (f32) falls back to the reference with a warning, and the kernel named explicitly refuses it
-    with its reason."""
+    """ "auto" takes the kernel; an operand the kernel cannot take (f32) falls back to the
+    reference with a warning, and the kernel named explicitly refuses it with its reason."""
     q, k, v = seqs
-    gpu = body_backends.get("pallas_sm90")
-    assert "attention" in gpu.auto_ops, gpu.auto_ops
-    want = "pallas_sm90"
-    assert body_backends.resolve("attention", "auto", q[:1, :4], k[:1], v[:1]).name == want
+    assert body_backends.resolve("attention", "auto", q[:1, :4], k[:1], v[:1]).name == "pallas_sm90"
     assert body_backends.resolve("attention", "pallas_sm90", q[:1, :4], k[:1], v[:1]).name == "pallas_sm90"
     qf, kf = q[:1, :4].astype(jnp.float32), k[:1, :64].astype(jnp.float32)
-    if want == "pallas_sm90":
-        with pytest.warns(UserWarning, match="falls back to the reference"):
-            body.attention(qf, kf, kf, q_positions=_pos(1, 4))
+    with pytest.warns(UserWarning, match="falls back to the reference"):
+        body.attention(qf, kf, kf, q_positions=_pos(1, 4))
     with pytest.raises(body.BackendUnavailableError, match="bfloat16"):
         body.attention(qf, kf, kf, q_positions=_pos(1, 4), backend="pallas_sm90")
