@@ -61,7 +61,9 @@ DL_DRIVER=""
 DL_GPU_WHY="no nvidia-smi on PATH"
 if command -v nvidia-smi >/dev/null 2>&1; then
   if _dl_out="$(timeout 60 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null)"; then
-    _dl_first="$(printf '%s\n' "$_dl_out" | head -n 1 | tr -d ' \r')"
+    # The first line (one per GPU), cut in the shell: a pipe into `head -n 1` can SIGPIPE the
+    # writer once head has its line, and pipefail would turn that into the script's exit (141).
+    _dl_first="${_dl_out%%$'\n'*}" _dl_first="${_dl_first//[$' \r']/}"
     if [[ "$_dl_first" =~ ^[0-9]+(\.[0-9]+)*$ ]]; then
       DL_GPU=ok DL_DRIVER="$_dl_first"
     else

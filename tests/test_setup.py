@@ -64,7 +64,7 @@ def gpujax_python(tmp_path_factory):
     return py
 
 
-def fake_bin(tmp_path, name="bin", *, driver=None, exit_code=0):
+def fake_bin(tmp_path, name="bin", *, driver=None, exit_code=0, gpus=2):
     """A PATH directory whose nvidia-smi prints `driver` (one line per GPU) or exits `exit_code`."""
     d = tmp_path / name
     d.mkdir()
@@ -72,7 +72,7 @@ def fake_bin(tmp_path, name="bin", *, driver=None, exit_code=0):
     if exit_code:
         body = f'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver." >&2\nexit {exit_code}\n'
     else:
-        body = f"echo {driver}\necho {driver}\n"
+        body = f"i=0\nwhile [ $i -lt {gpus} ]; do echo {driver}; i=$((i + 1)); done\n"
     script.write_text("#!/bin/sh\n" + body)
     script.chmod(0o755)
     return str(d)
@@ -177,6 +177,14 @@ def test_auto_picks_system_when_its_jax_sees_a_gpu(tmp_path, gpujax_python):
     assert p["lock"].startswith("none")
     assert p["venv"] == "none (system)"
     assert not (tmp_path / "venv").exists()
+
+
+def test_many_driver_lines_read_only_the_first(tmp_path, nojax_python):
+    # More lines than a pipe holds: the setup must take the first line without a pipe whose
+    # reader quits early (that SIGPIPEd the writer and, under pipefail, exited the script 141).
+    env = base_env(tmp_path, nojax_python, fake_bin(tmp_path, driver=CUDA13_DRIVER, gpus=20000))
+    p = plan("scripts/run.sh", env)
+    assert p["platform"].startswith("cuda13 (auto: driver 580.159.04"), p
 
 
 def test_users_jax_platforms_is_kept(tmp_path, nojax_python):
