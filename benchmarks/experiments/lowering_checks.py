@@ -84,12 +84,12 @@ def _swizzled(variant):
             collective_axes="wg",
         )
         def _(buf, out):
-            buf[0] = plgpu.load(x_gmem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+            buf[0] = plgpu.load(x_gmem, layout=plgpu.Layout.WGMMA, optimized=False)
             if variant == "halves":
                 i = lax.axis_index("x") % 2
-                y = plgpu.load(buf.at[i], (), layout=plgpu.Layout.WGMMA, optimized=False)[:, 8:16]
+                y = plgpu.load(buf.at[i], layout=plgpu.Layout.WGMMA, optimized=False)[:, 8:16]
             else:
-                y = plgpu.load(buf.at[0, :, pl.ds(8, 8)], (), layout=plgpu.Layout.WGMMA, optimized=False)
+                y = plgpu.load(buf.at[0, :, pl.ds(8, 8)], layout=plgpu.Layout.WGMMA, optimized=False)
             out[...] = y
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf.at[0], o_gmem.at[pl.ds(0, 64), pl.ds(0, 32)])
