@@ -49,9 +49,8 @@ positions). Packed sequences (segment ids without an attention mask) are refused
 
 Gradients: the body ops' backward is the plain formulation's (XLA's GEMMs, RMSNorm in jnp, the
 einsum-softmax attention, in which padding queries get zero cotangents, never NaN). So a learner
-differentiates through the patched body;
-its gradients are the usual float results, not bitwise invariant (only the forward logprobs
-are the contract).
+differentiates through the patched body; its gradients are the usual float results, not bitwise
+invariant (only the forward logprobs are the contract).
 
 The body is validated on one device (the sampler and the trainer each unsharded); on a mesh
 whose sharding splits the body's weights, the ops run as XLA partitions them, which this module
